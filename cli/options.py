@@ -1,0 +1,47 @@
+"""Options shared by generate, chat and batch, and turning them into engine settings."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder, .gguf file or Hub id (org/name). Default: SmolLM2-135M-Instruct.")]
+Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]
+Device = Annotated[str, typer.Option(help="auto (cuda if available), cpu or cuda.")]
+Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16.")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")]
+Temperature = Annotated[Optional[float], typer.Option(help="0 = greedy. Default: the model's generation_config, else 0.")]
+TopK = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = off).")]
+TopP = Annotated[Optional[float], typer.Option(help="Keep the smallest set of tokens with this much probability.")]
+MinP = Annotated[Optional[float], typer.Option(help="Drop tokens below min-p × the top token's probability.")]
+RepPenalty = Annotated[Optional[float], typer.Option("--repetition-penalty", help="> 1 discourages repeating tokens.")]
+Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same output).")]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is not printed.")]
+System = Annotated[Optional[str], typer.Option(help="System message (chat mode).")]
+Chat = Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the chat template (default: on when the model has one).")]
+PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this many tokens per forward pass.")]
+Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memory report at the end (stderr).")]
+NoColor = Annotated[bool, typer.Option("--no-color", help="No colors (also NO_COLOR=1).")]
+
+
+def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    """Explicit flags win; otherwise the model's generation_config when it asks for
+    sampling (do_sample), else greedy."""
+    from twice.core.sampling import SamplingParams
+
+    d = generation_defaults if generation_defaults.get("do_sample") else {}
+
+    def pick(flag, key, default):
+        return flag if flag is not None else d.get(key, default)
+
+    return SamplingParams(
+        temperature=float(pick(temperature, "temperature", 0.0 if not d else 1.0)),
+        top_k=int(pick(top_k, "top_k", 0)),
+        top_p=float(pick(top_p, "top_p", 1.0)),
+        min_p=float(pick(min_p, "min_p", 0.0)),
+        repetition_penalty=float(
+            repetition_penalty if repetition_penalty is not None else generation_defaults.get("repetition_penalty", 1.0)
+        ),
+        seed=seed,
+    )

@@ -1,0 +1,96 @@
+"""Causal self-attention over the KV cache, shared by every model family.
+
+`Step` is computed once per forward pass (not once per layer): which cache columns the
+new tokens go to, their positions, and the attention masks. Grouped-query attention
+folds the query heads that share a KV head into the query-length axis, so K and V are
+read as stored ([B, kv_heads, S, D]) and never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+
+
+@dataclass
+class Step:
+    column: int  # first cache column this forward pass writes
+    positions: torch.Tensor  # [B, T] token positions (for RoPE / learned positions)
+    masks: dict[int | None, torch.Tensor | None]  # per sliding window: bool [B, 1, n_rep*T, end], True = attend
+
+    @staticmethod
+    def build(cache: KVCache, tokens: int, n_rep: int, windows: set[int | None]) -> "Step":
+        column = cache.length
+        end = column + tokens
+        device = cache.k.device
+        q_cols = torch.arange(column, end, device=device)
+        starts = cache.starts
+        if starts is None:
+            positions = q_cols.unsqueeze(0).expand(cache.batch, tokens)
+        else:
+            positions = (q_cols.unsqueeze(0) - starts.unsqueeze(1)).clamp(min=0)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in windows:
+            needs_window = window is not None and end > window
+            if tokens == 1 and starts is None and not needs_window:
+                masks[window] = None  # one query attending to every filled column
+                continue
+            k_cols = torch.arange(end, device=device)
+            allowed = k_cols[None, :] <= q_cols[:, None]  # causal [T, end]
+            if needs_window:
+                allowed = allowed & (q_cols[:, None] - k_cols[None, :] < window)
+            allowed = allowed.unsqueeze(0)  # [1, T, end]
+            if starts is not None:
+                real = k_cols[None, None, :] >= starts[:, None, None]
+                # A padding query sees only itself, so its (ignored) softmax stays finite.
+                own = k_cols[None, None, :] == q_cols[None, :, None]
+                allowed = allowed & (real | own)
+            masks[window] = allowed.unsqueeze(1).repeat(1, 1, n_rep, 1)
+        return Step(column=column, positions=positions, masks=masks)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, kv_heads, S, D] → [B, T, H*D]."""
+    b, h, t, d = q.shape
+    kv_heads = k.shape[1]
+    if kv_heads != h:
+        # Heads h*n_rep .. h*n_rep+n_rep-1 share KV head h (transformers' repeat_kv order).
+        q = q.reshape(b, kv_heads, (h // kv_heads) * t, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+
+
+class CachedSelfAttention(torch.nn.Module):
+    """Fused QKV projection, optional q/k norm and RoPE, cache write, attention, output
+    projection. Used by the llama family (with rope) and gpt2 (without)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
+                 scale: float, layer: int, window: int | None, qk_norm: torch.nn.Module | None = None,
+                 k_norm: torch.nn.Module | None = None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
+        self.qkv_proj = torch.nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = torch.nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.q_norm, self.k_norm = qk_norm, k_norm
+        self.scale, self.layer, self.window = scale, layer, window
+
+    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        keys, values = cache.write(self.layer, step.column, k, v)
+        return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale))

@@ -1,0 +1,418 @@
+"""The generation loop: tokenize, prefill once, decode token by token, stop.
+
+`Engine.generate` serves one sequence and keeps its KV cache between calls: a later
+prompt that starts with the same tokens (the next turn of a chat) prefills only what it
+adds. `Engine.generate_batch` serves several prompts at once with one cache of batch rows
+(left-padded to a shared column), dropping rows from the computation as they finish.
+
+Both are generators of events (`PrefillStart`, `TokenEvent`, `Done`, `Notice`); the engine
+never prints. Timings follow the definitions in DESIGN.md: TTFT runs from the request's
+start (tokenization included) until the first token's text is available; decode tok/s
+is (generated - 1) / (time of last token - time of first token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
+from .errors import PromptError
+from .model import CausalLM
+from .sampling import Sampler, SamplingParams
+from .stopping import StopMatcher
+
+CAPACITY_ROUNDING = 64  # session caches grow in steps of this many tokens
+
+
+# -- requests and settings -------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """One prompt: raw text, chat messages (rendered with the chat template), or token ids."""
+
+    text: str | None = None
+    messages: list[dict] | None = None
+    ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    prefill_chunk: int | None = None  # prefill at most this many tokens per forward pass
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise PromptError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise PromptError(f"prefill chunk must be at least 1 token, got {self.prefill_chunk}")
+
+
+# -- events ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheStats:
+    bytes_per_token: int  # one token of one row, K and V, all layers
+    bytes_in_use: int
+    bytes_allocated: int
+    tokens: int  # columns filled
+    capacity: int  # columns allocated
+    batch: int
+    context_length: int
+
+    @property
+    def bytes_full_context(self) -> int:
+        """What one sequence's cache would take at the model's full context length."""
+        return self.bytes_per_token * self.context_length
+
+
+@dataclass(frozen=True)
+class PrefillStart:
+    rows: int
+    prompt_tokens: int  # all prompt tokens (over rows)
+    reused_tokens: int  # of those, already in the cache from an earlier call
+    cache: CacheStats
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    row: int
+    token_id: int
+    text: str  # new visible text (may be empty while a character is incomplete)
+    index: int  # 0 for the first generated token
+    step_seconds: float  # wall time of the step that produced it (prefill for index 0)
+    elapsed: float  # seconds since the request started
+    cache: CacheStats
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that is not an error (a setting was clamped)."""
+
+    message: str
+
+
+@dataclass
+class GenerationResult:
+    row: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # eos | stop | length | context
+    prompt_tokens: int
+    reused_tokens: int
+    tokenize_seconds: float
+    prefill_seconds: float
+    ttft_seconds: float
+    decode_seconds: float
+    step_seconds: list[float]  # per decode step (tokens 2..n)
+    cache: CacheStats
+    peak_memory_bytes: int
+    weight_bytes: int
+    device: str
+    dtype: str
+    prefill_batch_tokens: int = 0  # tokens in the prefill pass this row was part of
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        new = self.prefill_batch_tokens or (self.prompt_tokens - self.reused_tokens)
+        return new / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    def bytes_read_per_token(self) -> int:
+        """Weights plus the mean KV cache read per decode step (one row)."""
+        if self.generated_tokens <= 1:
+            return self.weight_bytes
+        first = self.prompt_tokens
+        last = self.prompt_tokens + self.generated_tokens - 1
+        return self.weight_bytes + self.cache.bytes_per_token * (first + last) // 2
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "generated_tokens": self.generated_tokens,
+            "timings": {
+                "tokenize_s": self.tokenize_seconds,
+                "prefill_s": self.prefill_seconds,
+                "ttft_s": self.ttft_seconds,
+                "decode_s": self.decode_seconds,
+                "prefill_tokens_per_s": self.prefill_tokens_per_second,
+                "decode_tokens_per_s": self.decode_tokens_per_second,
+                "step_s": self.step_seconds,
+            },
+            "cache": {
+                "bytes_per_token": self.cache.bytes_per_token,
+                "bytes_in_use": self.cache.bytes_in_use,
+                "bytes_allocated": self.cache.bytes_allocated,
+                "bytes_full_context": self.cache.bytes_full_context,
+                "tokens": self.cache.tokens,
+                "capacity": self.cache.capacity,
+                "batch": self.cache.batch,
+            },
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "weight_bytes": self.weight_bytes,
+            "device": self.device,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class Done:
+    row: int
+    result: GenerationResult
+
+
+Event = PrefillStart | TokenEvent | Notice | Done
+
+
+# -- per-row bookkeeping ---------------------------------------------------------------
+class _Row:
+    def __init__(self, index: int, ids: list[int], settings: GenerationSettings, max_new: int, stream,
+                 tokenize_seconds: float, reused: int):
+        self.index, self.ids, self.settings, self.max_new = index, ids, settings, max_new
+        self.clamped = max_new < settings.max_new_tokens
+        self.stream, self.stop = stream, StopMatcher(settings.stop)
+        self.tokenize_seconds, self.reused = tokenize_seconds, reused
+        self.generated: list[int] = []
+        self.steps: list[float] = []
+        self.pieces: list[str] = []
+        self.t_first = self.t_last = 0.0
+        self.finish: str | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.eos = frozenset(eos_token_ids)
+        self.context_length = self.config.max_position_embeddings
+        self.weight_bytes = model.weight_bytes()
+        self.cache: KVCache | None = None  # the session cache of `generate`
+        self.cached_ids: list[int] = []  # the tokens whose keys/values it holds
+
+    # -- public API ----------------------------------------------------------------------
+    def tokenize(self, request: Request) -> list[int]:
+        if request.ids is not None:
+            ids = list(request.ids)
+            bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < self.config.vocab_size)]
+            if bad:
+                raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            return ids
+        if request.messages is not None:
+            return self.tokenizer.encode_chat(request.messages)
+        return self.tokenizer.encode(request.text or "")
+
+    def reset(self) -> None:
+        """Forget the session cache (the next call prefills from scratch)."""
+        self.cache, self.cached_ids = None, []
+
+    def cache_stats(self, cache: KVCache | None = None) -> CacheStats:
+        cache = cache or self.cache
+        if cache is None:
+            per_token = self.config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+            return CacheStats(per_token, 0, 0, 0, 0, 0, self.context_length)
+        return CacheStats(cache.bytes_per_token, cache.bytes_in_use, cache.bytes_allocated, cache.length,
+                          cache.capacity, cache.batch, self.context_length)
+
+    def generate(self, request: Request, settings: GenerationSettings, reuse_cache: bool = True) -> Iterator[Event]:
+        """Generate for one prompt; reuse the cached prefix shared with the previous call."""
+        start = time.perf_counter()
+        reset_peak_memory(self.device)
+        ids = self.tokenize(request)
+        tokenize_seconds = time.perf_counter() - start
+        max_new = self._check_length(ids, settings)
+        reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
+        reused = min(reused, len(ids) - 1)  # at least one token must run to produce logits
+        needed = len(ids) + max_new - 1
+        if self.cache is None or not reuse_cache:
+            self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device)
+        self.cache.truncate(reused)
+        self.cached_ids = self.cached_ids[:reused]
+        self.cache.grow(self._capacity(needed))
+        row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
+        if row.clamped:
+            yield Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} "
+                         f"to fit the model's context of {self.context_length} tokens")
+        yield PrefillStart(1, len(ids), reused, self.cache_stats())
+        sampler = Sampler([settings.sampling], [ids], self.config.vocab_size, self.device)
+        t0 = time.perf_counter()
+        logits = self._prefill(torch.tensor([ids[reused:]], device=self.device), self.cache, settings.prefill_chunk)
+        synchronize(self.device)
+        prefill_seconds = time.perf_counter() - t0
+        self.cached_ids = list(ids)
+        yield from self._decode([row], self.cache, sampler, logits, start, prefill_seconds, track=True)
+
+    def generate_batch(self, requests: list[Request], settings: list[GenerationSettings]) -> Iterator[Event]:
+        """Generate for several prompts together (greedy results equal running each alone).
+        Rows are reported by their index in `requests`."""
+        if len(requests) != len(settings) or not requests:
+            raise ValueError("one GenerationSettings per request, at least one request")
+        start = time.perf_counter()
+        reset_peak_memory(self.device)
+        rows: list[_Row] = []
+        for i, (request, s) in enumerate(zip(requests, settings)):
+            t = time.perf_counter()
+            ids = self.tokenize(request)
+            max_new = self._check_length(ids, s)
+            rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(), time.perf_counter() - t, 0))
+        for row in rows:
+            if row.clamped:
+                yield Notice(f"row {row.index}: max new tokens lowered from {row.settings.max_new_tokens} "
+                             f"to {row.max_new} to fit the model's context of {self.context_length} tokens")
+        width = max(len(r.ids) for r in rows)
+        capacity = width + max(r.max_new for r in rows) - 1
+        cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device)
+        pad = [width - len(r.ids) for r in rows]
+        if any(pad):
+            cache.starts = torch.tensor(pad, device=self.device)
+        tokens = torch.tensor([[0] * p + r.ids for p, r in zip(pad, rows)], device=self.device)
+        total = sum(len(r.ids) for r in rows)
+        yield PrefillStart(len(rows), total, 0, self.cache_stats(cache))
+        sampler = Sampler([r.settings.sampling for r in rows], [r.ids for r in rows], self.config.vocab_size,
+                          self.device)
+        t0 = time.perf_counter()
+        logits = self._prefill(tokens, cache, max((r.settings.prefill_chunk or width) for r in rows))
+        synchronize(self.device)
+        prefill_seconds = time.perf_counter() - t0
+        yield from self._decode(rows, cache, sampler, logits, start, prefill_seconds, track=False, batch_tokens=total)
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_length(self, ids: list[int], settings: GenerationSettings) -> int:
+        if not ids:
+            raise PromptError("the prompt is empty (it tokenizes to no tokens)")
+        room = self.context_length - len(ids)
+        if room < 1:
+            raise PromptError(
+                f"the prompt is {len(ids)} tokens but the model's context is {self.context_length}: "
+                f"{1 - room} tokens too many (leave room for at least one new token)"
+            )
+        return min(settings.max_new_tokens, room)
+
+    def _capacity(self, needed: int) -> int:
+        rounded = -(-needed // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+        return max(needed, min(rounded, self.context_length))
+
+    @torch.inference_mode()
+    def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int | None) -> torch.Tensor:
+        chunk = chunk or tokens.shape[1]
+        logits = None
+        for begin in range(0, tokens.shape[1], chunk):
+            logits = self.model(tokens[:, begin : begin + chunk], cache)
+        return logits
+
+    @torch.inference_mode()
+    def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler) -> torch.Tensor:
+        chosen = sampler(self.model(tokens, cache))
+        sampler.observe(chosen)
+        return chosen
+
+    def _decode(self, rows: list[_Row], cache: KVCache, sampler: Sampler, logits: torch.Tensor, start: float,
+                prefill_seconds: float, track: bool, batch_tokens: int = 0) -> Iterator[Event]:
+        with torch.inference_mode():
+            chosen = sampler(logits)
+            sampler.observe(chosen)
+        ids = chosen.tolist()
+        step_seconds = prefill_seconds
+        live = list(rows)
+        while True:
+            now = time.perf_counter()
+            finished: list[_Row] = []
+            for row, token in zip(live, ids):
+                text = self._accept(row, token, now, step_seconds)
+                yield TokenEvent(row.index, token, text, len(row.generated) - 1, step_seconds, now - start,
+                                 self.cache_stats(cache))
+                if row.finish:
+                    finished.append(row)
+            for row in finished:
+                result = self._result(row, cache, start, prefill_seconds, batch_tokens)
+                yield Done(row.index, result)
+            if finished:
+                keep = [i for i, row in enumerate(live) if not row.finish]
+                if not keep:
+                    return
+                live = [live[i] for i in keep]
+                ids = [ids[i] for i in keep]
+                cache.keep_rows(keep)
+                sampler.keep_rows(keep)
+            t = time.perf_counter()
+            chosen = self._step(torch.tensor(ids, device=self.device).unsqueeze(1), cache, sampler)
+            if track:
+                self.cached_ids.extend(ids)
+            ids = chosen.tolist()
+            step_seconds = time.perf_counter() - t
+
+    def _accept(self, row: _Row, token: int, now: float, step_seconds: float) -> str:
+        """Record a generated token; return the text it makes visible; set row.finish."""
+        if not row.generated:
+            row.t_first = now
+        else:
+            row.steps.append(step_seconds)
+        row.t_last = now
+        row.generated.append(token)
+        is_eos = token in self.eos and not row.settings.ignore_eos
+        text, stopped = row.stop.feed("" if is_eos else row.stream.step(token))
+        if stopped:
+            row.finish = "stop"
+        elif is_eos or len(row.generated) >= row.max_new:
+            row.finish = "eos" if is_eos else ("context" if row.clamped else "length")
+            tail, stopped = row.stop.feed(row.stream.finish())
+            text += tail
+            if stopped:
+                row.finish = "stop"
+            else:
+                text += row.stop.flush()
+        row.pieces.append(text)
+        return text
+
+    def _result(self, row: _Row, cache: KVCache, start: float, prefill_seconds: float,
+                batch_tokens: int) -> GenerationResult:
+        return GenerationResult(
+            row=row.index,
+            text="".join(row.pieces),
+            token_ids=list(row.generated),
+            finish_reason=row.finish,
+            prompt_tokens=len(row.ids),
+            reused_tokens=row.reused,
+            tokenize_seconds=row.tokenize_seconds,
+            prefill_seconds=prefill_seconds,
+            ttft_seconds=row.t_first - start,
+            decode_seconds=row.t_last - row.t_first,
+            step_seconds=list(row.steps),
+            cache=self.cache_stats(cache),
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            weight_bytes=self.weight_bytes,
+            device=str(self.device),
+            dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)),
+            prefill_batch_tokens=batch_tokens,
+        )

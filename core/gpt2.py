@@ -1,0 +1,77 @@
+"""GPT-2: learned absolute positions, LayerNorm with bias, biased fused QKV, plain GELU MLP.
+
+Checkpoints store GPT-2's projections as Conv1D weights [in, out]; the name map marks them
+`transpose` so they land in ordinary [out, in] linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import CachedSelfAttention, Step
+from .cache import KVCache
+from .config import ModelConfig
+from .layers import PlainMLP
+from .model import CausalLM, Target
+
+
+class Block(torch.nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        scale = c.head_dim**-0.5 if c.scale_attn_weights else 1.0
+        if c.scale_attn_by_inverse_layer_idx:
+            scale /= layer + 1
+        self.ln_1 = torch.nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.attn = CachedSelfAttention(c.hidden_size, c.num_attention_heads, c.num_attention_heads, c.head_dim,
+                                        True, True, scale=scale, layer=layer, window=None)
+        self.ln_2 = torch.nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = PlainMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), step, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.wte = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = torch.nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.wte.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(step.positions)
+        for block in self.h:
+            x = block(x, step, cache)
+        return self.ln_f(x)
+
+    def targets(self) -> dict[str, Target]:
+        c = self.config
+        t: dict[str, Target] = {
+            "wte.weight": Target("wte.weight"),
+            "wpe.weight": Target("wpe.weight"),
+            "ln_f.weight": Target("ln_f.weight"),
+            "ln_f.bias": Target("ln_f.bias"),
+        }
+        for i in range(c.num_hidden_layers):
+            p = f"h.{i}"
+            for norm in ("ln_1", "ln_2"):
+                t[f"{p}.{norm}.weight"] = Target(f"{p}.{norm}.weight")
+                t[f"{p}.{norm}.bias"] = Target(f"{p}.{norm}.bias")
+            for hf, ours in (("attn.c_attn", "attn.qkv_proj"), ("attn.c_proj", "attn.o_proj"),
+                             ("mlp.c_fc", "mlp.c_fc"), ("mlp.c_proj", "mlp.c_proj")):
+                t[f"{p}.{hf}.weight"] = Target(f"{p}.{ours}.weight", transpose=True)
+                t[f"{p}.{hf}.bias"] = Target(f"{p}.{ours}.bias")
+        # transformers saves GPT2LMHeadModel under "transformer."; the original
+        # OpenAI-converted checkpoints carry the bare names. Accept both.
+        t.update({f"transformer.{name}": target for name, target in list(t.items())})
+        t["lm_head.weight"] = Target("wte.weight" if c.tie_word_embeddings else "lm_head.weight")
+        return t

@@ -1,0 +1,67 @@
+"""Small building blocks: norms, activations and the two MLP shapes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # GPT-2's tanh approximation, written as transformers' NewGELUActivation writes it.
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_new,
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class GatedMLP(torch.nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = torch.nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class PlainMLP(torch.nn.Module):
+    """GPT-2's c_proj(act(c_fc(x)))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.c_fc = torch.nn.Linear(hidden, intermediate)
+        self.c_proj = torch.nn.Linear(intermediate, hidden)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))

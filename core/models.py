@@ -1,0 +1,31 @@
+"""Model families by `model_type`, and building a model with uninitialized weights."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .gpt2 import GPT2Model
+from .llama import LlamaModel
+from .model import CausalLM
+
+FAMILIES: dict[str, type[CausalLM]] = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+    "gpt2": GPT2Model,
+}
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model's modules with storage allocated on `device` in `dtype` but not
+    initialized: the loader fills every parameter, so random init would be wasted time."""
+    with torch.device("meta"):
+        model = FAMILIES[config.model_type](config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings and hasattr(model, "lm_head"):
+        raise AssertionError("tied models have no separate head")
+    model.eval().requires_grad_(False)
+    model.prepare(device, dtype)
+    return model

@@ -1,0 +1,112 @@
+"""Rotary position embeddings: inverse frequencies per rope type, and cos/sin tables.
+
+The arithmetic follows transformers' `modeling_rope_utils` step for step (float32
+frequencies, `position * inv_freq` elementwise, `cat(freqs, freqs)`, the rotate-half
+layout), so the tables are bit-identical to what transformers computes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim/2] float32, attention_scaling) for the config's rope type."""
+    p = config.rope_parameters
+    assert p is not None, "model without rotary embeddings"
+    dim = config.head_dim
+    base = p["rope_theta"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    inv_freq = 1.0 / (base**exponents)
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / p["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, p), 1.0
+    if kind == "yarn":
+        return _yarn(base, dim, config.max_position_embeddings, p)
+    raise AssertionError(kind)  # config validation rejects other types
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_context = p["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, max_positions: int, p: dict) -> tuple[torch.Tensor, float]:
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+class RotaryTables:
+    """cos/sin for positions [0, length), grown on demand, kept in float32 and in the
+    compute dtype (the cast transformers does on every call is done once here)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        self.inv_freq, self.scaling = inverse_frequencies(config)
+        self.inv_freq = self.inv_freq.to(device)
+        self.device, self.dtype = device, dtype
+        self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
+
+    def ensure(self, length: int) -> None:
+        if length <= self.cos.shape[0]:
+            return
+        length = max(length, 2 * self.cos.shape[0], 256)
+        positions = torch.arange(length, device=self.device, dtype=torch.int64)
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.scaling).to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] rotated by the rotate-half convention used by HF checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,110 @@
+"""Choosing the next token: repetition penalty, temperature, top-k, top-p, min-p.
+
+The order is transformers' (penalty on raw logits, then temperature, top-k, top-p, min-p).
+Sampling draws with the exponential trick (argmax of p / Exp(1) noise), which equals a
+categorical draw but needs no cumulative sums, from a per-row torch.Generator so a seed
+reproduces the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PromptError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(what: str):
+            raise PromptError(what)
+
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            bad(f"top-p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p < 1):
+            bad(f"min-p must be in [0, 1), got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad(f"seed must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Samples one token per live row; rows may carry different parameters."""
+
+    def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device):
+        self.params = list(params)
+        self.generators = []
+        for p in self.params:
+            g = None
+            if not p.greedy:
+                g = torch.Generator(device=device)
+                g.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
+            self.generators.append(g)
+        self.all_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in self.params)
+        self.seen = None
+        if any(p.repetition_penalty != 1.0 for p in self.params):
+            # Tokens of each row's prompt and output so far, as a [B, V] mask (duplicates are irrelevant).
+            self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
+            for row, ids in enumerate(prompts):
+                if ids:
+                    self.seen[row, torch.tensor(ids, device=device)] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] → token ids [B] (on the logits' device)."""
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
+        return torch.stack([self._one(row, logits[row]) for row in range(logits.shape[0])])
+
+    def _one(self, row: int, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params[row]
+        x = logits.float()
+        if p.repetition_penalty != 1.0:
+            seen = self.seen[row]
+            x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        if p.greedy:
+            return x.argmax()
+        x = x / p.temperature
+        if p.top_k and p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+            probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        noise = torch.empty_like(probs).exponential_(1.0, generator=self.generators[row])
+        return (probs / noise).argmax()
+
+    def observe(self, tokens: torch.Tensor) -> None:
+        """Record the tokens just chosen (for the repetition penalty)."""
+        if self.seen is not None:
+            self.seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.params = [self.params[r] for r in rows]
+        self.generators = [self.generators[r] for r in rows]
+        if self.seen is not None:
+            self.seen = self.seen[torch.tensor(rows, device=self.seen.device)]

@@ -1,0 +1,98 @@
+"""Tiny random models of every supported family, built with transformers itself, and a
+byte-level BPE tokenizer trained on the spot. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+VOCAB = 512
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Caches trade memory for speed.",
+    "Prefill runs the prompt once; decode feeds one token at a time. 12345 67890",
+    "Café, naïve, jalapeño, Ångström, façade — accents everywhere. ¿Qué tal? Größe!",
+    "日本語のテキストと中文文本，还有한국어 문장도 있습니다。",
+    "Emoji: 😀 🚀 🎉 👍🏽 🧑‍💻 ❤️ and symbols ∑ ∫ √ ≠ ≤ ≥ → ←.",
+    "def f(x):\n    return x * 2  # code with    spaces\n\tand tabs\n",
+    "Hello world! How are you today? I am fine, thank you.",
+] * 20
+
+
+def train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def save_tokenizer(folder: Path, tok: Tokenizer, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+           "model_max_length": 256, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def hf_config(family: str):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.08, bos_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "llama3":  # Llama 3.1-style rope scaling, MHA, tied head
+        return LlamaConfig(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True,
+                              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}})
+    if family == "mistral":  # a small window so the tests cross it
+        return MistralConfig(**{**common, "sliding_window": 12})
+    if family == "qwen2":
+        return Qwen2Config(**{**common, "num_key_value_heads": 1, "tie_word_embeddings": True})
+    if family == "qwen3":  # explicit head_dim that is not hidden/heads
+        return Qwen3Config(**{**common, "head_dim": 24})
+    if family == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                          initializer_range=0.08, bos_token_id=0, eos_token_id=2)
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    model.save_pretrained(folder)
+    save_tokenizer(folder, tok)
+    return folder
+
+
+def to_hub_form(folder: Path) -> None:
+    """Rewrite config.json the way Hub checkpoints carry it: rope_theta and rope_scaling at
+    the top level instead of transformers 5's rope_parameters."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.pop("rope_parameters", None)
+    if rope:
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        kind = rope.pop("rope_type", "default")
+        cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
+    path.write_text(json.dumps(cfg, indent=1))

@@ -1,0 +1,73 @@
+"""Everything needed to generate from a model reference: config, weights, tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from twice.core.config import ModelConfig
+from twice.core.device import resolve_device, resolve_dtype
+from twice.core.errors import DeviceError
+from twice.core.model import CausalLM
+from twice.core.models import build_model
+
+from .checkpoint import checkpoint_files, load_into
+from .files import GenerationDefaults, read_config, read_generation_config
+from .resolve import resolve
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    folder: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    generation: GenerationDefaults
+    device: torch.device
+    dtype: torch.dtype
+    weights_seconds: float
+    tokenizer_seconds: float
+
+    @property
+    def load_seconds(self) -> float:
+        return self.weights_seconds + self.tokenizer_seconds
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config's eos ids, plus the tokenizer's eos token (chat models end
+        their turn with it even where generation_config forgets to say so)."""
+        ids = list(self.generation.eos_token_ids)
+        tok_eos = self.tokenizer.eos_token_id
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return tuple(ids)
+
+
+def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
+         progress=None) -> LoadedModel:
+    t0 = time.perf_counter()
+    folder = resolve(ref, revision, progress)
+    config = read_config(folder)
+    generation = read_generation_config(folder, config)
+    checkpoint_files(folder)  # fail on a missing/pickle checkpoint before building anything
+    t1 = time.perf_counter()
+    tokenizer = Tokenizer(folder)
+    t2 = time.perf_counter()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    try:
+        model = build_model(config, dev, dt)
+        load_into(model, folder)
+    except torch.OutOfMemoryError:
+        raise DeviceError(f"out of memory loading {folder.name} on {dev} in {dtype}; try a smaller dtype or the cpu") from None
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t3 = time.perf_counter()
+    name = ref or folder.name
+    return LoadedModel(name, folder, config, model, tokenizer, generation, dev, dt,
+                       weights_seconds=(t1 - t0) + (t3 - t2), tokenizer_seconds=t2 - t1)

