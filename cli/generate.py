@@ -11,6 +11,7 @@ from . import options as o
 from .app import app
 from .console import COLOR, err_console
 from .prompt_input import read_prompt
+from .readout import Readout
 
 
 @app.command()
@@ -43,27 +44,28 @@ def generate(
         COLOR["on"] = False
     text = read_prompt(prompt)
     err = err_console()
-    loaded = load(model, revision, device, dtype, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
-                                  prefill_chunk=prefill_chunk)
-    use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
-    if use_chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        request = Request(messages=messages)
-    else:
-        request = Request(text=text)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
-    result = None
+    with Readout(show_text=not as_json) as readout:
+        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
+        sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
+                                     repetition_penalty, seed)
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
+                                      prefill_chunk=prefill_chunk)
+        use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
+        if use_chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            request = Request(messages=messages)
+        else:
+            request = Request(text=text)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
+        result = None
+        for event in engine.generate(request, settings):
+            if isinstance(event, Notice):
+                err.print(f"[yellow]note:[/yellow] {event.message}")
+            elif isinstance(event, Done):
+                result = event.result
+            else:
+                readout.on_event(event)
     out = sys.stdout
-    for event in engine.generate(request, settings):
-        if isinstance(event, Notice):
-            err.print(f"[yellow]note:[/yellow] {event.message}")
-        elif isinstance(event, Done):
-            result = event.result
-        elif not as_json and getattr(event, "text", ""):
-            out.write(event.text)
-            out.flush()
     if as_json:
         payload = {"model": loaded.name, "settings": {"max_new_tokens": max_new_tokens, "chat": use_chat,
                                                        **sampling.__dict__, "stop": list(settings.stop)},

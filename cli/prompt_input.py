@@ -8,6 +8,13 @@ from twice.core.errors import PromptError
 
 
 def read_prompt(prompt: str | None) -> str:
+    text = _read(prompt)
+    if not text.strip():
+        raise PromptError("the prompt is empty")
+    return text
+
+
+def _read(prompt: str | None) -> str:
     if prompt is not None and prompt != "-":
         return prompt
     if sys.stdin is None or sys.stdin.isatty():

@@ -21,7 +21,7 @@ import torch
 
 from .cache import KVCache
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
-from .errors import PromptError
+from .errors import PromptError, TwiceError
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
 from .stopping import StopMatcher
@@ -182,7 +182,16 @@ class Done:
     result: GenerationResult
 
 
-Event = PrefillStart | TokenEvent | Notice | Done
+@dataclass(frozen=True)
+class Failed:
+    """A batch row that cannot be served (its prompt is empty or too long, its chat
+    template fails); the other rows go on."""
+
+    row: int
+    message: str
+
+
+Event = PrefillStart | TokenEvent | Notice | Done | Failed
 
 
 # -- per-row bookkeeping ---------------------------------------------------------------
@@ -283,9 +292,15 @@ class Engine:
         rows: list[_Row] = []
         for i, (request, s) in enumerate(zip(requests, settings)):
             t = time.perf_counter()
-            ids = self.tokenize(request)
-            max_new = self._check_length(ids, s)
+            try:
+                ids = self.tokenize(request)
+                max_new = self._check_length(ids, s)
+            except TwiceError as e:
+                yield Failed(i, str(e))
+                continue
             rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(), time.perf_counter() - t, 0))
+        if not rows:
+            return
         for row in rows:
             if row.clamped:
                 yield Notice(f"row {row.index}: max new tokens lowered from {row.settings.max_new_tokens} "

@@ -1,0 +1,763 @@
+"""Turn a llama.cpp GGUF file into a Hugging Face model folder twice (and transformers) can load.
+
+A GGUF holds everything a model folder does, in llama.cpp's own spelling: the config as
+`llama.*` metadata keys, the tokenizer as `tokenizer.ggml.*` arrays, and the weights as
+(often quantized) tensors named `blk.N.attn_q.weight` and so on. `convert_gguf` reads them
+with the `gguf` package and writes
+
+    config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json
+
+Three things llama.cpp changed on the way in are undone here:
+
+* quantized tensors are dequantized (to float32, then cast to the requested dtype);
+* the rows of q_proj and k_proj were permuted so that llama.cpp's RoPE can rotate adjacent
+  pairs; the inverse permutation restores Hugging Face's rotate-half layout;
+* the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
+  the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
+
+Only what can be converted exactly is accepted: the llama architecture with a byte-level
+BPE ("gpt2") tokenizer. Anything else is refused with a one-line `UnsupportedModelError`;
+a file that is not a GGUF, is cut short or lacks a required key is a `WeightsError`. The
+folder appears at `dest` only once it is complete (it is written beside it and renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp's token types (llama_token_type / gguf.TokenType).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+Progress = Callable[[str], None]
+
+
+# -- public entry point --------------------------------------------------------------------
+
+
+def convert_gguf(
+    src: Path,
+    dest: Path,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert the GGUF file `src` into a Hugging Face model folder at `dest`; return `dest`.
+
+    `dtype` is the dtype of the written tensors ("float32", "bfloat16" or "float16"). An existing
+    non-empty `dest` is refused unless `overwrite` is set. `progress`, if given, is called with a
+    short line for each step. Raises WeightsError or UnsupportedModelError, naming the file.
+    """
+    src, dest = Path(src), Path(dest)
+    if dtype not in OUTPUT_DTYPES:
+        raise WeightsError(f"{src}: cannot write dtype {dtype!r}; choose one of {', '.join(OUTPUT_DTYPES)}")
+    _check_destination(dest, overwrite)
+    say = progress or (lambda _message: None)
+
+    # Everything that can be refused is checked before anything is written.
+    say(f"reading {src}")
+    reader = _open_reader(src)
+    with _reading(src):
+        metadata = _read_metadata(reader)
+        rope_freqs = _find_tensor(reader, "rope_freqs.weight")
+        config = _model_config(metadata, src, rope_freqs)
+        jobs = _plan_tensors(reader, config, src)
+        tokenizer, tokenizer_config = _build_tokenizer(metadata, config, src)
+    config["torch_dtype"] = config["dtype"] = dtype
+
+    with _atomic_folder(dest, overwrite) as folder:
+        _write_json(folder / "config.json", config)
+        _write_json(folder / "generation_config.json", _generation_config(metadata, config))
+        tokenizer.save(str(folder / "tokenizer.json"))
+        _write_json(folder / "tokenizer_config.json", tokenizer_config)
+        _write_safetensors(folder / "model.safetensors", jobs, OUTPUT_DTYPES[dtype], src, say)
+    say(f"wrote {dest}")
+    return dest
+
+
+# -- reading the file ----------------------------------------------------------------------
+
+
+def _open_reader(src: Path):
+    """A GGUFReader over `src`, after checking the magic ourselves: the reader's own errors for
+    a foreign or truncated file are raw ValueErrors and IndexErrors that name nothing."""
+    import gguf  # imported here so that `twice` starts without it
+
+    try:
+        with open(src, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise WeightsError(f"{src}: file not found") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{src}: is a folder, not a GGUF file") from None
+    except OSError as e:
+        raise WeightsError(f"{src}: cannot read ({e.strerror or e})") from None
+    if magic != GGUF_MAGIC:
+        raise WeightsError(f"{src}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    with _reading(src):
+        return gguf.GGUFReader(src, "r")
+
+
+@contextmanager
+def _reading(src: Path) -> Iterator[None]:
+    """Report anything the gguf reader (or numpy under it) raises on a damaged file as one
+    WeightsError that names the file; our own errors pass through unchanged."""
+    try:
+        yield
+    except (TwiceError, MemoryError):
+        raise
+    except Exception as e:  # the reader raises ValueError, IndexError, KeyError, struct.error, ...
+        detail = str(e).splitlines()[0][:200] if str(e) else ""
+        raise WeightsError(
+            f"{src}: truncated or corrupt GGUF file ({type(e).__name__}{': ' + detail if detail else ''})"
+        ) from None
+
+
+def _read_metadata(reader) -> dict[str, Any]:
+    """All metadata as plain Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _find_tensor(reader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def _require(metadata: dict, key: str, src: Path) -> Any:
+    if key not in metadata:
+        raise WeightsError(f"{src}: required metadata key {key} is missing")
+    return metadata[key]
+
+
+def _positive_int(metadata: dict, key: str, src: Path, default: int | None = None) -> int:
+    value = metadata.get(key, default) if default is not None else _require(metadata, key, src)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise WeightsError(f"{src}: metadata {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(metadata: dict, key: str, src: Path, default: float | None = None) -> float:
+    value = metadata.get(key, default) if default is not None else _require(metadata, key, src)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise WeightsError(f"{src}: metadata {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+# -- config --------------------------------------------------------------------------------
+
+
+def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
+    """config.json for a Hugging Face LlamaForCausalLM, from the `llama.*` metadata."""
+    arch = _require(metadata, "general.architecture", src)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if metadata.get(f"{arch}.expert_count", 0):
+        raise UnsupportedModelError(f"{src}: mixture-of-experts llama models (e.g. Mixtral) are not supported")
+
+    hidden = _positive_int(metadata, f"{arch}.embedding_length", src)
+    heads = _positive_int(metadata, f"{arch}.attention.head_count", src)
+    kv_heads = _kv_heads(metadata, f"{arch}.attention.head_count_kv", heads, src)
+    if heads % kv_heads:
+        raise WeightsError(f"{src}: {heads} attention heads is not a multiple of {kv_heads} key/value heads")
+    if hidden % heads and f"{arch}.attention.key_length" not in metadata:
+        raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
+    head_dim = _positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
+    if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which llama cannot express")
+    # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them.
+    if metadata.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModelError(
+            f"{src}: partial rotary embeddings (rope.dimension_count "
+            f"{metadata[f'{arch}.rope.dimension_count']} of head_dim {head_dim}) are not supported"
+        )
+    if head_dim % 2:
+        raise WeightsError(f"{src}: head dimension {head_dim} must be even for rotary embeddings")
+
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    default_vocab = len(tokens) if isinstance(tokens, list) and tokens else None
+    if f"{arch}.vocab_size" not in metadata and default_vocab is None:
+        raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
+    vocab_size = _positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
+    rope_theta = _positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": _positive_int(metadata, f"{arch}.feed_forward_length", src),
+        "num_hidden_layers": _positive_int(metadata, f"{arch}.block_count", src),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": _positive_int(metadata, f"{arch}.context_length", src),
+        "rms_norm_eps": _positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", src),
+        "rope_theta": rope_theta,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
+    }
+    scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
+    if scaling:
+        config["rope_scaling"] = scaling
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+        token_id = _token_id(metadata, gguf_key, vocab_size, src)
+        if token_id is not None:
+            config[key] = token_id
+    return config
+
+
+def _kv_heads(metadata: dict, key: str, heads: int, src: Path) -> int:
+    """head_count_kv is a number, or (in some files) one number per layer."""
+    value = metadata.get(key, heads)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModelError(f"{src}: a different number of key/value heads per layer is not supported")
+        value = value[0]
+    return _positive_int({key: value}, key, src)
+
+
+def _token_id(metadata: dict, name: str, vocab_size: int, src: Path) -> int | None:
+    value = metadata.get(f"tokenizer.ggml.{name}")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise WeightsError(f"{src}: tokenizer.ggml.{name} {value!r} is not a token id below {vocab_size}")
+    return value
+
+
+def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
+    """rope_scaling for the scaling types whose meaning is the same in llama.cpp and HF."""
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        # Files from before rope.scaling.type carry a bare linear factor.
+        factor = metadata.get(f"{arch}.rope.scale_linear")
+        if factor in (None, 1, 1.0):
+            return None
+        kind = "linear"
+    else:
+        factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind != "linear":
+        raise UnsupportedModelError(f"{src}: RoPE scaling type {kind!r} is not supported; supported: none, linear")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise WeightsError(f"{src}: linear RoPE scaling needs a positive rope.scaling.factor, got {factor!r}")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
+# The Llama 3.1 / 3.2 RoPE settings. llama.cpp does not store them as metadata: it stores the
+# per-frequency divisors they produce (the rope_freqs tensor), so we recognise those.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) -> dict | None:
+    if rope_freqs is None:
+        return None
+    import gguf
+
+    divisors = np.asarray(gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float64).ravel()
+    if divisors.shape != (head_dim // 2,):
+        raise WeightsError(f"{src}: rope_freqs.weight has {divisors.size} values, expected {head_dim // 2}")
+    if np.allclose(divisors, 1.0):
+        return None
+    candidate = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_ROPE}
+    if not np.allclose(divisors, _llama3_divisors(candidate, theta, head_dim), rtol=1e-4, atol=1e-6):
+        raise UnsupportedModelError(
+            f"{src}: rope_freqs.weight holds RoPE frequency factors that match no supported scaling (llama3 with "
+            "low_freq_factor 1, high_freq_factor 4, original context 8192)"
+        )
+    return candidate
+
+
+def _llama3_divisors(params: dict, theta: float, head_dim: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for these llama3 settings."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, mid))
+
+
+def _generation_config(metadata: dict, config: dict) -> dict:
+    """bos/eos for generation; llama.cpp's end-of-turn tokens also end generation."""
+    eos = [config.get("eos_token_id")]
+    for name in ("eot_token_id", "eom_token_id"):
+        extra = metadata.get(f"tokenizer.ggml.{name}")
+        if isinstance(extra, int) and not isinstance(extra, bool) and 0 <= extra < config["vocab_size"]:
+            eos.append(extra)
+    eos = list(dict.fromkeys(i for i in eos if i is not None))
+    out: dict[str, Any] = {}
+    if "bos_token_id" in config:
+        out["bos_token_id"] = config["bos_token_id"]
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "pad_token_id" in config:
+        out["pad_token_id"] = config["pad_token_id"]
+    return out
+
+
+# -- tensors -------------------------------------------------------------------------------
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# Tensors llama.cpp adds that are not weights of the HF model (read into the config instead).
+_CONSUMED_TENSORS = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class _TensorJob:
+    """One tensor to write: where it comes from, its HF name and shape, and the head count
+    its rows were permuted with (0 when they were not)."""
+
+    tensor: Any  # gguf.ReaderTensor
+    name: str
+    shape: tuple[int, ...]
+    unpermute_heads: int = 0
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape, for every weight a llama of this config has (lm_head included)."""
+    h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    per_layer = {
+        "input_layernorm": (h,), "post_attention_layernorm": (h,),
+        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        for leaf, shape in per_layer.items():
+            shapes[f"model.layers.{layer}.{leaf}.weight"] = shape
+    return shapes
+
+
+def _hf_name(gguf_name: str, layers: int) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and int(match[1]) < layers and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{int(match[1])}.{_LAYER_TENSORS[match[2]]}.weight"
+    return None
+
+
+def _plan_tensors(reader, config: dict, src: Path) -> list[_TensorJob]:
+    """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
+    up front, so a file that cannot be converted is refused before anything is written."""
+    expected = _expected_shapes(config)
+    found: dict[str, _TensorJob] = {}
+    for tensor in reader.tensors:
+        if tensor.name in _CONSUMED_TENSORS:
+            continue
+        name = _hf_name(tensor.name, config["num_hidden_layers"])
+        if name is None:
+            raise UnsupportedModelError(
+                f"{src}: tensor {tensor.name} has no counterpart in a llama model (biases, experts and "
+                "extra layers are not supported)"
+            )
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        if shape != expected[name]:
+            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(expected[name])}")
+        _check_quantization(tensor, src)
+        found[name] = _TensorJob(tensor, name, shape, _permuted_heads(tensor.name, config))
+
+    config["tie_word_embeddings"] = "lm_head.weight" not in found
+    missing = [n for n in expected if n not in found and n != "lm_head.weight"]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise WeightsError(f"{src}: tensor for {missing[0]}{more} is missing")
+    return [found[n] for n in expected if n in found]  # HF order: embeddings, layers, norm, head
+
+
+def _permuted_heads(gguf_name: str, config: dict) -> int:
+    """llama.cpp permuted q_proj per attention head and k_proj per key/value head."""
+    if gguf_name.endswith(".attn_q.weight"):
+        return config["num_attention_heads"]
+    if gguf_name.endswith(".attn_k.weight"):
+        return config["num_key_value_heads"]
+    return 0
+
+
+def _check_quantization(tensor, src: Path) -> None:
+    if not _can_dequantize(tensor.tensor_type):
+        name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        raise UnsupportedModelError(
+            f"{src}: tensor {tensor.name} uses quantization type {name}, which cannot be dequantized "
+            "(supported: F32, F16, BF16 and the Q*/IQ* types the gguf package implements)"
+        )
+
+
+@lru_cache(maxsize=None)
+def _can_dequantize(qtype) -> bool:
+    """Whether gguf.quants can dequantize `qtype`, found by trying it on one zero block (the
+    package has no public list, and raises NotImplementedError for the rest)."""
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return True
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        return False
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        return gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype).size == block
+    except (NotImplementedError, ValueError):
+        return False
+
+
+def _unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation.
+
+    convert_hf_to_gguf.py reorders each head's rows from HF's rotate-half layout (first half,
+    second half) to interleaved pairs, so that ggml's RoPE rotates adjacent elements:
+        w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    Swapping the same two axes back, from the permuted shape, restores the original order."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _load_weight(job: _TensorJob, src: Path) -> np.ndarray:
+    """One tensor as float32 in HF layout (a fresh array or a read-only view of the file)."""
+    import gguf
+
+    with _reading(src):
+        weight = gguf.quants.dequantize(job.tensor.data, job.tensor.tensor_type)
+        # asarray also turns a big-endian file's data into native float32
+        weight = np.asarray(weight, dtype=np.float32).reshape(job.shape)
+    if job.unpermute_heads:
+        weight = _unpermute_rows(weight, job.unpermute_heads)
+    return weight
+
+
+def _tensor_bytes(weight: np.ndarray, dtype: torch.dtype) -> memoryview:
+    """The little-endian bytes of `weight` cast to `dtype` (numpy has no bfloat16: torch casts)."""
+    if dtype == torch.float32:
+        data = np.ascontiguousarray(weight, dtype="<f4")
+    elif dtype == torch.float16:
+        data = np.ascontiguousarray(weight, dtype="<f2")
+    else:
+        writable = weight if weight.flags.writeable else weight.copy()
+        data = torch.from_numpy(np.ascontiguousarray(writable)).to(dtype).view(torch.int16).numpy().astype("<i2", copy=False)
+    return memoryview(data).cast("B")
+
+
+def _write_safetensors(path: Path, jobs: list[_TensorJob], dtype: torch.dtype, src: Path, say: Progress) -> None:
+    """Write model.safetensors one tensor at a time.
+
+    The header only needs names, shapes and sizes, which the plan already knows, so each
+    tensor is dequantized, written and dropped before the next: memory stays at one tensor,
+    never the whole float32 model."""
+    element = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for job in jobs:
+        size = math.prod(job.shape) * element
+        header[job.name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(job.shape),
+                            "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data that follows starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for index, job in enumerate(jobs, 1):
+            say(f"tensor {index}/{len(jobs)}: {job.tensor.name} -> {job.name}")
+            f.write(_tensor_bytes(_load_weight(job, src), dtype))
+
+
+# -- tokenizer -----------------------------------------------------------------------------
+
+# Pre-tokenizer split patterns, as llama.cpp (llama-vocab.cpp) and transformers use them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """How one `tokenizer.ggml.pre` name splits text, and the defaults llama.cpp gives it."""
+
+    kind: str  # "gpt2": GPT-2's byte-level regex; "digits": single digits, then GPT-2's; "split": `pattern`
+    pattern: str | None = None
+    ignore_merges: bool = False  # take a word whole when it is in the vocabulary (llama3)
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2 = _PreTokenizer("gpt2")
+_DIGITS = _PreTokenizer("digits")
+_LLAMA3 = _PreTokenizer("split", _LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+_LLAMA3_REGEX_ONLY = _PreTokenizer("split", _LLAMA3_SPLIT)
+_QWEN2 = _PreTokenizer("split", _QWEN2_SPLIT)
+PRE_TOKENIZERS = {
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
+    "smollm": _DIGITS, "starcoder": _DIGITS, "refact": _DIGITS,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
+    "smaug-bpe": _LLAMA3_REGEX_ONLY, "dbrx": _LLAMA3_REGEX_ONLY,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+}
+
+
+def _pre_tokenizer(spec: _PreTokenizer):
+    from tokenizers import Regex, pre_tokenizers
+
+    if spec.kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if spec.kind == "digits":  # what SmolLM's and StarCoder's own tokenizer.json say
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _string_list(metadata: dict, key: str, src: Path) -> list[str]:
+    value = _require(metadata, key, src)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WeightsError(f"{src}: metadata {key} must be a list of strings")
+    return value
+
+
+def _build_tokenizer(metadata: dict, config: dict, src: Path):
+    """A `tokenizers.Tokenizer` and the tokenizer_config.json that goes with it."""
+    spec = _tokenizer_spec(metadata, src)
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens", src)
+    merges = _merge_pairs(_string_list(metadata, "tokenizer.ggml.merges", src), src)
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise WeightsError(f"{src}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    if len(tokens) > config["vocab_size"]:
+        raise WeightsError(f"{src}: {len(tokens)} tokens do not fit the model's vocab_size {config['vocab_size']}")
+
+    ids = {
+        "bos_token": config.get("bos_token_id"),
+        "eos_token": config.get("eos_token_id"),
+        "unk_token": _token_id(metadata, "unknown_token_id", config["vocab_size"], src),
+        "pad_token": config.get("pad_token_id"),
+    }
+    names = {name: tokens[i] for name, i in ids.items() if i is not None and i < len(tokens)}
+    tokenizer = _bpe_tokenizer(tokens, merges, spec, src)
+    _add_whole_tokens(tokenizer, tokens, types, special_ids=set(ids.values()))
+
+    add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", spec.add_bos, src)
+    add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", False, src)
+    tokenizer.post_processor = _post_processor(
+        names.get("bos_token") if add_bos else None, ids["bos_token"],
+        names.get("eos_token") if add_eos else None, ids["eos_token"],
+    )
+
+    tokenizer_config: dict[str, Any] = {
+        # the generic class: it takes tokenizer.json as it is, where a model-specific one may
+        # rebuild parts of the pipeline its own way
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    template = metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        tokenizer_config["chat_template"] = template
+    return tokenizer, tokenizer_config
+
+
+def _tokenizer_spec(metadata: dict, src: Path) -> _PreTokenizer:
+    """The pre-tokenizer for this file's vocabulary, refusing vocabularies we cannot rebuild."""
+    model = _require(metadata, "tokenizer.ggml.model", src)
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        hint = " (a sentencepiece vocabulary)" if model == "llama" else ""
+        raise UnsupportedModelError(
+            f"{src}: tokenizer model {model!r}{hint} is not supported; supported: "
+            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)"
+        )
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"{src}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    return PRE_TOKENIZERS[pre]
+
+
+def _bpe_tokenizer(tokens: list[str], merges: list[tuple[str, str]], spec: _PreTokenizer, src: Path):
+    """Byte-level BPE over the file's vocabulary. The tokens are already spelled in GPT-2's
+    byte alphabet (a space is "Ġ"), so they go in as they are."""
+    from tokenizers import Tokenizer, decoders, models
+
+    # A repeated token keeps its first id (a dict cannot hold both); the later id stays unused.
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=spec.ignore_merges)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        raise WeightsError(f"{src}: the tokenizer vocabulary and merges do not fit together ({e})") from None
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = _pre_tokenizer(spec)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _add_whole_tokens(tokenizer, tokens: list[str], types: list[int], special_ids: set) -> None:
+    """Tokens matched whole in the text, before BPE sees it, under their existing ids.
+
+    Control tokens (and the named bos/eos/unk/pad) become special: decoding with
+    skip_special_tokens drops them. User-defined ones (like `<think>`) are matched whole too,
+    as llama.cpp does, but stay ordinary text."""
+    from tokenizers import AddedToken
+
+    special, user = [], []
+    for index, (token, kind) in enumerate(zip(tokens, types)):
+        if kind == _TOKEN_CONTROL or index in special_ids:
+            special.append(AddedToken(token, special=True, normalized=False))
+        elif kind == _TOKEN_USER_DEFINED:
+            user.append(AddedToken(token, special=False, normalized=False))
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(user)
+
+
+def _merge_pairs(merges: list[str], src: Path) -> list[tuple[str, str]]:
+    """llama.cpp stores each merge as "left right"; byte-level tokens never contain a space."""
+    pairs = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise WeightsError(f"{src}: tokenizer merge {merge!r} is not two tokens separated by one space")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _flag(metadata: dict, key: str, default: bool, src: Path) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise WeightsError(f"{src}: metadata {key} must be true or false, got {value!r}")
+    return value
+
+
+def _post_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None):
+    """ByteLevel offsets (as HF's byte-level tokenizer.json files have), plus BOS/EOS when the
+    file asks for them, so that plain `tokenizers` users get them too, not only transformers."""
+    from tokenizers import processors
+
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if bos is None and eos is None:
+        return byte_level
+
+    def sequence(piece: str, type_id: int) -> list[str]:
+        return [f"{bos}:{type_id}"] * (bos is not None) + [f"${piece}:{type_id}"] + [f"{eos}:{type_id}"] * (eos is not None)
+
+    specials = {token: token_id for token, token_id in ((bos, bos_id), (eos, eos_id)) if token is not None}
+    template = processors.TemplateProcessing(
+        single=sequence("A", 0), pair=sequence("A", 0) + sequence("B", 1), special_tokens=list(specials.items())
+    )
+    return processors.Sequence([byte_level, template])
+
+
+# -- output folder -------------------------------------------------------------------------
+
+
+def _check_destination(dest: Path, overwrite: bool) -> None:
+    # A link is refused rather than followed: replacing it would swap the link, not its target.
+    if dest.is_symlink():
+        raise WeightsError(f"{dest}: is a symbolic link; give the folder it points to instead")
+    if dest.exists() and not dest.is_dir():
+        raise WeightsError(f"{dest}: exists and is not a folder; choose another destination")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise WeightsError(f"{dest}: folder exists and is not empty (pass overwrite=True to replace it)")
+
+
+@contextmanager
+def _atomic_folder(dest: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield an empty folder to write into; when the block succeeds, rename it to `dest`
+    (replacing an old `dest` if `overwrite`), otherwise delete it.
+
+    The folder lives inside a private temporary one beside `dest` (same filesystem, so the
+    rename is atomic). mkdtemp creates that one itself under a random name, so nothing placed
+    at its path beforehand is followed; the folder inside is made by a plain mkdir, so it gets
+    the permissions the user's umask gives a new folder, not mkdtemp's 0700."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as e:
+        raise WeightsError(f"{dest}: cannot create the output folder ({e.strerror or e})") from None
+    try:
+        work = private / dest.name
+        work.mkdir()
+        try:
+            yield work
+        except OSError as e:
+            raise WeightsError(f"{dest}: cannot write the converted model ({e.strerror or e})") from None
+        _replace_folder(work, dest, overwrite)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _replace_folder(work: Path, dest: Path, overwrite: bool) -> None:
+    """rename(2) replaces only an empty folder, so an old one is first moved aside (into the
+    private temporary folder, which is deleted afterwards)."""
+    _check_destination(dest, overwrite)  # it may have changed while we converted
+    old = work.parent / f"{dest.name}.old"
+    had_old = dest.is_dir() and any(dest.iterdir())
+    try:
+        if had_old:
+            os.replace(dest, old)
+        os.replace(work, dest)
+    except OSError as e:
+        if had_old and old.exists() and not dest.exists():
+            os.replace(old, dest)  # put the previous model back
+        raise WeightsError(f"{dest}: cannot move the converted model into place ({e.strerror or e})") from None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,53 @@
+"""Facts about a model folder without loading its weights (for `twice info`)."""
+
+from __future__ import annotations
+
+from twice.core.device import DTYPES
+
+from .checkpoint import checkpoint_files, validate_header
+from .files import read_config, read_generation_config
+from .resolve import resolve
+from .tokenizer import Tokenizer
+
+_STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") -> dict:
+    folder = resolve(ref, revision)
+    config = read_config(folder)
+    generation = read_generation_config(folder, config)
+    tokenizer = Tokenizer(folder)
+    stored = set()
+    for path in checkpoint_files(folder):
+        header = validate_header(path)
+        stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    # The dtype generation would use: auto is float32 on CPU (info never touches a GPU).
+    name = "float32" if dtype == "auto" else dtype
+    element = DTYPES[name].itemsize if name in DTYPES else 4
+    params = config.parameter_count()
+    eos = list(generation.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return {
+        "name": ref or folder.name,
+        "folder": str(folder),
+        "model_type": config.model_type,
+        "parameters": params,
+        "stored_dtype": ", ".join(sorted(stored)),
+        "dtype": name,
+        "weight_bytes": params * element,
+        "context_length": config.max_position_embeddings,
+        "layers": config.num_hidden_layers,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "rope": config.rope_parameters,
+        "sliding_window": config.sliding_window,
+        "kv_bytes_per_token": config.kv_bytes_per_token(element),
+        "kv_bytes_full_context": config.kv_bytes_per_token(element) * config.max_position_embeddings,
+        "chat_template": tokenizer.chat_template is not None,
+        "eos_token_ids": eos,
+    }
