@@ -90,9 +90,9 @@ def test_loading_peaks_near_the_model_size(tmp_path, tokenizer):
 
     folder = tmp_path / "big"
     folder.mkdir()
-    h, inter, layers, vocab = 1024, 2816, 4, 16384
+    h, inter, layers, vocab = 768, 2048, 8, 4096  # no tensor over 7% of the model
     cfg = {"model_type": "llama", "vocab_size": vocab, "hidden_size": h, "intermediate_size": inter,
-           "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "num_hidden_layers": layers, "num_attention_heads": 12, "num_key_value_heads": 4,
            "max_position_embeddings": 512, "tie_word_embeddings": False}
     (folder / "config.json").write_text(json.dumps(cfg))
     kv = 4 * 64
@@ -111,4 +111,4 @@ def test_loading_peaks_near_the_model_size(tmp_path, tokenizer):
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(folder)], capture_output=True, text=True, check=True)
     grown, model_bytes = map(int, out.stdout.split())
     assert model_bytes > 190e6
-    assert grown < 1.35 * model_bytes, (grown, model_bytes)
+    assert grown < 1.25 * model_bytes, (grown, model_bytes)  # model + one tensor, not two copies
