@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
+from .layers import Linear
 
 
 @dataclass
@@ -76,8 +77,8 @@ class CachedSelfAttention(torch.nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.qkv_proj = torch.nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = torch.nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         self.q_norm, self.k_norm = qk_norm, k_norm
         self.scale, self.layer, self.window = scale, layer, window
 

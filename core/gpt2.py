@@ -11,7 +11,7 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
-from .layers import PlainMLP
+from .layers import Embedding, Linear, PlainMLP
 from .model import CausalLM, Target
 
 
@@ -36,12 +36,12 @@ class Block(torch.nn.Module):
 class GPT2Model(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.wte = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte = Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = torch.nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -8,6 +8,19 @@ import torch
 import torch.nn.functional as F
 
 
+class Linear(torch.nn.Linear):
+    """A linear layer whose weights are left uninitialized: the loader overwrites every
+    one, so random init would only cost time (seconds for a 1B model)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(torch.nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(torch.nn.Module):
     """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype."""
 
@@ -45,8 +58,8 @@ class GatedMLP(torch.nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = torch.nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,8 +72,8 @@ class PlainMLP(torch.nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
-        self.c_fc = torch.nn.Linear(hidden, intermediate)
-        self.c_proj = torch.nn.Linear(intermediate, hidden)
+        self.c_fc = Linear(hidden, intermediate)
+        self.c_proj = Linear(intermediate, hidden)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

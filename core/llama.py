@@ -12,7 +12,7 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm
+from .layers import Embedding, GatedMLP, Linear, RMSNorm
 from .model import CausalLM, Target, fused_rows
 from .rope import RotaryTables, apply_rotary
 
@@ -38,11 +38,11 @@ class Block(torch.nn.Module):
 class LlamaModel(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryTables | None = None
 
     @property

@@ -77,7 +77,7 @@ PEAK_SCRIPT = """
 import resource, sys, torch
 from twice.weights.load import load
 torch.ones(1)  # libraries in place before the baseline
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()  # resident now
 m = load(sys.argv[1], device="cpu", dtype="float32")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(peak - base, m.model.weight_bytes())

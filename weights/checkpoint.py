@@ -1,8 +1,12 @@
 """Read safetensors checkpoints (one file or sharded) straight into a model's parameters.
 
-Each tensor is read from the memory-mapped file, cast and copied into its place, and
-dropped before the next one is read: peak memory is the model plus its largest tensor,
-never a second full-precision copy. Pickle checkpoints are refused, never unpickled.
+Each tensor is read with one plain read() into a buffer, cast and copied into its place,
+and dropped before the next one is read: peak memory is the model plus its largest
+tensor, never a second full-precision copy. (The format is an 8-byte header length, a
+JSON header and raw little-endian data; reading it directly, rather than through the
+safetensors library's memory map, keeps the file's pages out of the process's resident
+memory, lets the header be validated against the file size first, and lets a tensor-
+parallel rank read only its rows.) Pickle checkpoints are refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from twice.core.errors import WeightsError
 from twice.core.model import CausalLM, Target
@@ -29,7 +32,7 @@ _DTYPES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1,
 }
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_TORCH_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -111,25 +114,56 @@ def validate_header(path: Path) -> dict:
     return header
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, object]]:
-    """(name, file, reader) for every tensor, refusing names that appear twice."""
+class TensorFile:
+    """One validated safetensors file, read tensor by tensor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.header = validate_header(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        self.data_start = 8 + n
+        self.names = [k for k in self.header if k != "__metadata__"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor (or rows [a, b) of its first dimension) as stored, in a fresh buffer."""
+        info = self.header[name]
+        dtype = _TORCH_FLOATS[info["dtype"]]
+        shape = list(info["shape"])
+        start, end = info["data_offsets"]
+        if rows is not None:
+            row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
+            start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
+        buf = bytearray(end - start)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + start)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise WeightsError(f"{self.path}: cannot read tensor {name!r} ({e.strerror or e})") from None
+        if got != len(buf):
+            raise WeightsError(f"{self.path}: truncated while reading tensor {name!r}")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorFile]]:
+    """(name, file) for every tensor, refusing names that appear twice and non-float data."""
     seen: dict[str, Path] = {}
     for path in files:
-        header = validate_header(path)
-        try:
-            reader = safe_open(str(path), framework="pt")
-        except Exception as e:  # safetensors raises its own error types
-            raise WeightsError(f"{path}: cannot open safetensors file ({e})") from None
-        with reader:
-            for name in header:
-                if name == "__metadata__":
-                    continue
-                if name in seen:
-                    raise WeightsError(f"{path}: tensor {name!r} is also in {seen[name]}")
-                seen[name] = path
-                if header[name]["dtype"] not in _FLOAT_DTYPES and not name.endswith(_IGNORED_SUFFIXES):
-                    raise WeightsError(f"{path}: tensor {name!r} has dtype {header[name]['dtype']}, expected a float type")
-                yield name, path, reader
+        tf = TensorFile(path)
+        for name in tf.names:
+            if name in seen:
+                raise WeightsError(f"{path}: tensor {name!r} is also in {seen[name]}")
+            seen[name] = path
+            if tf.header[name]["dtype"] not in _TORCH_FLOATS and not name.endswith(_IGNORED_SUFFIXES):
+                raise WeightsError(f"{path}: tensor {name!r} has dtype {tf.header[name]['dtype']}, expected a float type")
+            yield name, tf
 
 
 def load_into(model: CausalLM, folder: Path) -> None:
@@ -140,13 +174,13 @@ def load_into(model: CausalLM, folder: Path) -> None:
     filled: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     with torch.inference_mode():
-        for name, path, reader in iter_tensors(files):
+        for name, tf in iter_tensors(files):
             target = targets.get(name)
             if target is None:
                 if not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
-            _copy(reader, name, path, target, params[target.param])
+            _copy(tf, name, target, params[target.param])
             filled.add(target.key)
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else "")
@@ -157,13 +191,13 @@ def load_into(model: CausalLM, folder: Path) -> None:
         raise WeightsError(f"{folder}: checkpoint is missing tensors: {shown}")
 
 
-def _copy(reader, name: str, path: Path, target: Target, param: torch.Tensor) -> None:
+def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor) -> None:
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
     expected = tuple(dest.shape[::-1]) if target.transpose else tuple(dest.shape)
-    shape = tuple(reader.get_slice(name).get_shape())
+    shape = tf.shape(name)
     if shape != expected:
-        raise WeightsError(f"{path}: tensor {name!r} has shape {list(shape)}, the config implies {list(expected)}")
-    tensor = reader.get_tensor(name)
+        raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {list(expected)}")
+    tensor = tf.read(name)
     if not torch.isfinite(tensor).all():
-        raise WeightsError(f"{path}: tensor {name!r} contains NaN or infinite values")
+        raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
     dest.copy_(tensor.t() if target.transpose else tensor)
