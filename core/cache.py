@@ -86,9 +86,9 @@ class KVCache:
         if capacity <= self.capacity:
             return
         shape = (self.num_layers, self.batch, self.kv_heads, capacity, self.head_dim)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.zeros(shape, dtype=old.dtype, device=old.device)
-            new[:, :, :, : self.length] = old[:, :, :, : self.length]
-            setattr(self, name, new)
-        self.capacity = capacity
+        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+        v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+        # Swapped together, so an interrupt never leaves K and V of different sizes.
+        self.k, self.v, self.capacity = k, v, capacity

@@ -56,3 +56,10 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on a GPU (None on CPU: the caller reads the system's)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return None

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVCache
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
-from .errors import PromptError, TwiceError
+from .errors import DeviceError, PromptError, TwiceError
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
 from .stopping import StopMatcher
@@ -99,6 +100,7 @@ class Notice:
     """Something the user should know that is not an error (a setting was clamped)."""
 
     message: str
+    row: int | None = None  # the batch row it is about, if any
 
 
 @dataclass
@@ -264,10 +266,13 @@ class Engine:
         reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
         reused = min(reused, len(ids) - 1)  # at least one token must run to produce logits
         needed = len(ids) + max_new - 1
+        # cached_ids shrinks first: an interrupt anywhere below leaves it describing (a
+        # prefix of) what the cache really holds.
+        self.cached_ids = self.cached_ids[:reused]
         if self.cache is None or not reuse_cache:
+            self.cache = None
             self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device)
         self.cache.truncate(reused)
-        self.cached_ids = self.cached_ids[:reused]
         self.cache.grow(self._capacity(needed))
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
         if row.clamped:
@@ -303,8 +308,8 @@ class Engine:
             return
         for row in rows:
             if row.clamped:
-                yield Notice(f"row {row.index}: max new tokens lowered from {row.settings.max_new_tokens} "
-                             f"to {row.max_new} to fit the model's context of {self.context_length} tokens")
+                yield Notice(f"max new tokens lowered from {row.settings.max_new_tokens} to {row.max_new} "
+                             f"to fit the model's context of {self.context_length} tokens", row=row.index)
         width = max(len(r.ids) for r in rows)
         capacity = width + max(r.max_new for r in rows) - 1
         cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device)
@@ -342,15 +347,32 @@ class Engine:
     def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int | None) -> torch.Tensor:
         chunk = chunk or tokens.shape[1]
         logits = None
-        for begin in range(0, tokens.shape[1], chunk):
-            logits = self.model(tokens[:, begin : begin + chunk], cache)
+        with self._out_of_memory(cache, f"prefilling {tokens.shape[0]} × {tokens.shape[1]} tokens"):
+            for begin in range(0, tokens.shape[1], chunk):
+                logits = self.model(tokens[:, begin : begin + chunk], cache)
         return logits
 
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler) -> torch.Tensor:
-        chosen = sampler(self.model(tokens, cache))
-        sampler.observe(chosen)
+        with self._out_of_memory(cache, f"decoding {tokens.shape[0]} rows at {cache.length} tokens"):
+            chosen = sampler(self.model(tokens, cache))
+            sampler.observe(chosen)
         return chosen
+
+    @contextmanager
+    def _out_of_memory(self, cache: KVCache, doing: str):
+        """Device out of memory → DeviceError (a one-line message saying what to lower);
+        the session cache is dropped, since a failed pass leaves it half written."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, MemoryError):
+            if cache is self.cache:
+                self.reset()
+            raise DeviceError(
+                f"out of memory on {self.device} while {doing} (KV cache {cache.bytes_allocated / 2**20:.0f} MiB, "
+                f"weights {self.weight_bytes / 2**20:.0f} MiB); lower --max-new-tokens, the batch size or "
+                "--prefill-chunk, or use a smaller --dtype"
+            ) from None
 
     def _decode(self, rows: list[_Row], cache: KVCache, sampler: Sampler, logits: torch.Tensor, start: float,
                 prefill_seconds: float, track: bool, batch_tokens: int = 0) -> Iterator[Event]:

@@ -1,0 +1,605 @@
+"""`twice chat`: a conversation that keeps the KV cache between turns.
+
+Each turn renders the whole conversation with the model's chat template and hands it to
+`Engine.generate`, which prefills only the tokens after the longest prefix it already
+holds (the previous prompt and reply), so a turn costs its new tokens, not the history.
+
+Input: on a terminal, prompt-toolkit (line editing, history in a file); otherwise lines
+from standard input, so that `twice chat < script.txt` works. stdout carries only the
+replies; prompts' help, notes, errors and the per-turn summary go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from . import options as o
+from .app import app
+from .console import COLOR, err_console
+from .readout import Readout
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+BLOCK = '"""'
+SAVE_VERSION = 1
+ROLES = ("user", "assistant")
+
+HELP = f"""\
+Type a message and press Enter to send it.
+  multi-line   end a line with \\ to continue it, or press Esc-Enter / Alt-Enter for a newline;
+               {BLOCK} on its own opens a block that the next {BLOCK} closes
+  //text       sends "/text" (a message that starts with a slash)
+  Ctrl-C       stops a reply (the part written so far is kept); at the prompt, clears the line
+  Ctrl-D       leaves (as does /exit)
+Commands:
+  /help          this text
+  /reset         forget the conversation and the KV cache (the system message stays)
+  /system TEXT   set the system message (/system alone shows it, /system - removes it)
+  /drop N        drop the N oldest turns (user message and reply), keeping the system message
+  /stats         the timing report of the last reply
+  /save FILE     write the conversation as JSON
+  /load FILE     replace the conversation with one written by /save
+  /exit          leave"""
+
+TimingEach = Annotated[bool, typer.Option(
+    "--timing", help="Print a timing and memory report after each reply (stderr).")]
+History = Annotated[Optional[Path], typer.Option(
+    "--history", help="File that keeps the input history. Default: chat_history in the twice cache folder.",
+    dir_okay=False)]
+
+
+@app.command()
+def chat(
+    model: o.Model = None,
+    revision: o.Revision = None,
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    max_new_tokens: o.MaxNew = 512,
+    temperature: o.Temperature = None,
+    top_k: o.TopK = None,
+    top_p: o.TopP = None,
+    min_p: o.MinP = None,
+    repetition_penalty: o.RepPenalty = None,
+    seed: o.Seed = None,
+    stop: o.Stop = None,
+    system: o.System = None,
+    prefill_chunk: o.PrefillChunk = None,
+    timing: TimingEach = False,
+    history: History = None,
+    no_color: o.NoColor = False,
+):
+    """Chat with a model; the KV cache is kept between turns so each turn prefills only what it adds."""
+    from twice.core.engine import Engine, GenerationSettings
+    from twice.core.errors import TokenizerError
+    from twice.weights.load import load
+
+    if no_color:
+        COLOR["on"] = False
+    with Readout(show_text=False) as readout:
+        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
+    tokenizer = loaded.tokenizer
+    if tokenizer.chat_template is None:
+        raise TokenizerError(f"{loaded.name}: the model has no chat template, so it cannot chat "
+                             f"(twice generate --raw continues plain text)")
+    # Render once now: a broken or hostile template (the sandbox refuses it) fails here with
+    # one line, before the user has typed anything.
+    tokenizer.render_chat(_with_system(system, [{"role": "user", "content": "Hello"}]))
+    sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
+                                 repetition_penalty, seed)
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
+                                  prefill_chunk=prefill_chunk)
+    engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids)
+    session = ChatSession(loaded, engine, settings, system, timing)
+    reader = _make_reader(history)
+    session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · /help for commands",
+                "dim")
+    session.run(reader)
+
+
+# -- the conversation --------------------------------------------------------------------
+class ChatSession:
+    def __init__(self, loaded, engine, settings, system: str | None, timing: bool):
+        self.loaded, self.engine, self.settings, self.timing = loaded, engine, settings, timing
+        self.system = system or None
+        self.messages: list[dict] = []  # user/assistant messages; the system message is kept apart
+        self.last_result = None
+        self.err = err_console()
+        self.interactive = False  # input has a history the user can recall (prompt-toolkit)
+
+    # -- output --------------------------------------------------------------------------
+    def say(self, text: str, style: str = "") -> None:
+        # soft_wrap: rich would otherwise break long lines at 80 columns when stderr is not
+        # a terminal, and every message here is meant to be one line.
+        self.err.print(Text(text, style=style), soft_wrap=True)
+
+    def error(self, text: str) -> None:
+        self.say(f"error: {text}", "red")
+
+    # -- loop ----------------------------------------------------------------------------
+    def run(self, reader) -> None:
+        self.interactive = isinstance(reader, TerminalReader)
+        while True:
+            try:
+                text = reader.read()
+            except EOFError:
+                return
+            if text is None or not text.strip():
+                continue
+            try:
+                if text.startswith("/") and not text.startswith("//"):
+                    if self.command(text) == "exit":
+                        return
+                else:
+                    self.turn(text[1:] if text.startswith("//") else text)
+            except KeyboardInterrupt:
+                # A second Ctrl-C while a reply or command winds down: the conversation
+                # (only ever replaced whole) is intact, so keep the session.
+                self.say("[interrupted]", "yellow")
+
+    # -- one turn --------------------------------------------------------------------------
+    def turn(self, text: str) -> None:
+        from twice.core.engine import Done, Notice, PrefillStart, Request, TokenEvent
+        from twice.core.errors import PromptError, TwiceError
+
+        user = {"role": "user", "content": text}
+        conversation = self.messages + [user]
+        events = self.engine.generate(Request(messages=self._request_messages(conversation)), self.settings)
+        readout = Readout()
+        pieces: list[str] = []
+        result = None
+        started = cut = False
+        try:
+            with readout:
+                for event in events:
+                    if isinstance(event, Notice):
+                        self.say(f"note: {event.message} (/drop N or /reset makes room)", "yellow")
+                    elif isinstance(event, Done):
+                        result = event.result
+                    else:
+                        if isinstance(event, PrefillStart):
+                            started = True
+                        elif isinstance(event, TokenEvent):
+                            pieces.append(event.text)
+                        readout.on_event(event)
+        except KeyboardInterrupt:
+            events.close()
+            cut = result is None
+            if not started:
+                # Interrupted while the engine was resizing or trimming its cache: do not
+                # trust a half-updated cache; the next turn prefills from scratch.
+                self.engine.reset()
+        except PromptError as e:
+            events.close()
+            self._refuse(str(e), conversation)
+            return
+        except TwiceError as e:  # the chat template fails on this conversation, ...
+            events.close()
+            self.error(f"{e} (message not sent)")
+            return
+        except MemoryError:
+            events.close()
+            self.engine.reset()
+            self.error("out of memory during the reply; the turn was not kept (/drop N or /reset frees room)")
+            return
+        out = sys.stdout
+        out.write("\n")
+        out.flush()
+        if cut:
+            reply = "".join(pieces)
+            self.messages = conversation + [{"role": "assistant", "content": reply, "cut": True}]
+            self.last_result = None
+            new = readout.prompt_tokens - readout.reused
+            self.say(f"[reply cut] reused {readout.reused} · prefilled {new} · {len(pieces)} tokens", "yellow")
+            return
+        self.messages = conversation + [{"role": "assistant", "content": result.text}]
+        self.last_result = result
+        self.say(_summary(result), "dim")
+        if self.timing:
+            from .report import timing_table
+
+            self.err.print(timing_table(result, self.loaded))
+
+    def _refuse(self, message: str, conversation: list[dict]) -> None:
+        """The prompt cannot be served. When the conversation outgrew the context, say what
+        would make it fit; nothing is dropped without the user asking."""
+        size = self._size(conversation)
+        context = self.engine.context_length
+        if size is None or size < context:
+            self.error(f"{message} (message not sent)")
+            return
+        n = self._turns_to_drop(conversation[-1])
+        if n is None:
+            hint = "your message alone does not fit; shorten it"
+        else:
+            hint = (f"/drop {n} (drop the {n} oldest turn{'' if n == 1 else 's'}) makes room, "
+                    f"/reset starts over")
+        kept = "; ↑ recalls your message" if self.interactive else ""
+        self.error(f"the conversation no longer fits the context ({size} tokens, context {context}); "
+                   f"message not sent: {hint}{kept}")
+
+    def _size(self, conversation: list[dict]) -> int | None:
+        from twice.core.errors import TwiceError
+
+        try:
+            return len(self.loaded.tokenizer.encode_chat(self._request_messages(conversation)))
+        except TwiceError:
+            return None
+
+    def _turns_to_drop(self, user: dict) -> int | None:
+        """Fewest oldest turns to drop so that the conversation plus `user` fits (leaving
+        room for one new token); binary search, since the size shrinks as turns go."""
+        turns = _turns(self.messages)
+        context = self.engine.context_length
+
+        def fits(n: int) -> bool:
+            size = self._size([m for t in turns[n:] for m in t] + [user])
+            return size is not None and size < context
+
+        if not fits(len(turns)):
+            return None
+        lo, hi = 1, len(turns)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _request_messages(self, messages: list[dict]) -> list[dict]:
+        # Only role and content reach the template; markers such as "cut" stay ours.
+        return _with_system(self.system, [{"role": m["role"], "content": m["content"]} for m in messages])
+
+    # -- slash commands ----------------------------------------------------------------------
+    def command(self, text: str) -> str | None:
+        parts = text.split(None, 1)
+        name, arg = parts[0], (parts[1].strip() if len(parts) > 1 else "")
+        handler = {
+            "/help": self.cmd_help, "/reset": self.cmd_reset, "/system": self.cmd_system,
+            "/drop": self.cmd_drop, "/stats": self.cmd_stats, "/save": self.cmd_save, "/load": self.cmd_load,
+        }.get(name)
+        if name in ("/exit", "/quit"):
+            return "exit"
+        if handler is None:
+            self.error(f"unknown command {name}; /help lists the commands "
+                       f"(//text sends a message that starts with /)")
+            return None
+        handler(arg)
+        return None
+
+    def cmd_help(self, arg: str) -> None:
+        self.err.print(Text(HELP), soft_wrap=True)
+
+    def cmd_reset(self, arg: str) -> None:
+        self.messages = []
+        self.last_result = None
+        self.engine.reset()
+        self.say("conversation cleared" + (" (the system message stays)" if self.system else ""), "dim")
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            self.say(f"system message: {self.system!r}" if self.system else "no system message", "dim")
+            return
+        self.system = None if arg == "-" else arg
+        # The rendered prompt changes from the start, so the next turn reuses only the
+        # common prefix (the engine works that out); nothing else to do here.
+        self.say("system message removed" if self.system is None else "system message set", "dim")
+
+    def cmd_drop(self, arg: str) -> None:
+        turns = _turns(self.messages)
+        try:
+            n = int(arg)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.error("usage: /drop N (N ≥ 1: how many of the oldest turns to drop)")
+            return
+        if n > len(turns):
+            self.error(f"there {'is' if len(turns) == 1 else 'are'} only {len(turns)} "
+                       f"turn{'' if len(turns) == 1 else 's'} to drop")
+            return
+        self.messages = [m for t in turns[n:] for m in t]
+        left = len(turns) - n
+        self.say(f"dropped {n} turn{'' if n == 1 else 's'}; {left} left", "dim")
+
+    def cmd_stats(self, arg: str) -> None:
+        if self.last_result is None:
+            self.say("no timing yet: the last reply was cut or there was none", "dim")
+            return
+        from .report import timing_table
+
+        self.err.print(timing_table(self.last_result, self.loaded))
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            self.error("usage: /save FILE")
+            return
+        path = Path(_unquote(arg)).expanduser()
+        data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
+                "messages": self.messages}
+        try:
+            _refuse_overwrite(path)
+            _write_atomic(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+        except (OSError, ValueError) as e:
+            self.error(f"cannot save to {path}: {_os_message(e)}")
+            return
+        self.say(f"saved {len(self.messages)} messages to {path}", "dim")
+
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            self.error("usage: /load FILE")
+            return
+        path = Path(_unquote(arg)).expanduser()
+        try:
+            system, messages, model = read_conversation(path)
+        except (OSError, ValueError) as e:
+            self.error(f"cannot load {path}: {_os_message(e)} (the current conversation is unchanged)")
+            return
+        self.system, self.messages, self.last_result = system, messages, None
+        note = ""
+        if model and model != self.loaded.name:
+            note = f" (saved with {model}; continuing with {self.loaded.name})"
+        self.say(f"loaded {len(messages)} messages from {path}{note}", "dim")
+
+
+# -- conversation helpers -----------------------------------------------------------------
+def _with_system(system: str | None, messages: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def _turns(messages: list[dict]) -> list[list[dict]]:
+    """Group messages into turns: a user message and what follows it up to the next one."""
+    turns: list[list[dict]] = []
+    for m in messages:
+        if m["role"] == "user" or not turns:
+            turns.append([m])
+        else:
+            turns[-1].append(m)
+    return turns
+
+
+def _summary(result) -> str:
+    new = result.prompt_tokens - result.reused_tokens
+    parts = [f"reused {result.reused_tokens}", f"prefilled {new}", f"{result.generated_tokens} tokens"]
+    if result.decode_tokens_per_second:
+        parts.append(f"{result.decode_tokens_per_second:,.1f} tok/s")
+    if result.finish_reason == "length":
+        parts.append("stopped at --max-new-tokens")
+    elif result.finish_reason == "context":
+        parts.append("stopped: the context is full")
+    return " · ".join(parts)
+
+
+def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
+    """Read and check a file written by /save; ValueError names the first problem."""
+    try:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise ValueError("it is a folder") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a twice chat file (expected a JSON object)")
+    if data.get("version") != SAVE_VERSION:
+        raise ValueError(f"unsupported version {data.get('version')!r} (expected {SAVE_VERSION})")
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ValueError("'system' must be a string or null")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError("'model' must be a string or null")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError("'messages' must be a list")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role must be 'user' or 'assistant', got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        if "cut" in m and not isinstance(m["cut"], bool):
+            raise ValueError(f"messages[{i}].cut must be true or false")
+        entry = {"role": m["role"], "content": m["content"]}
+        if m.get("cut"):
+            entry["cut"] = True
+        checked.append(entry)
+    return system or None, checked, model
+
+
+def _refuse_overwrite(path: Path) -> None:
+    """/save replaces an earlier chat file, never some other file the user had there."""
+    if path.is_dir():
+        raise ValueError("it is a folder")
+    if path.exists():
+        try:
+            read_conversation(path)
+        except (OSError, ValueError):
+            raise ValueError("the file exists and is not a twice chat file; choose another name") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A temporary file in the same folder, then os.replace: the destination is either the
+    # old file or the complete new one, never a half-written mix.
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _unquote(arg: str) -> str:
+    if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "'\"":
+        return arg[1:-1]
+    return arg
+
+
+def _os_message(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)
+
+
+# -- multi-line input ------------------------------------------------------------------------
+def block_open(text: str) -> bool:
+    """True while a \"\"\" block has been opened and not yet closed."""
+    s = text.lstrip()
+    if not s.startswith(BLOCK):
+        return False
+    return not s[len(BLOCK):].rstrip().endswith(BLOCK)
+
+
+def finish_input(text: str) -> str:
+    """The message an input stands for: the inside of a \"\"\" block, else the text as typed."""
+    s = text.strip()
+    if s.startswith(BLOCK) and len(s) >= 2 * len(BLOCK) and s.endswith(BLOCK):
+        body = s[len(BLOCK):-len(BLOCK)]
+        body = body[1:] if body.startswith("\n") else body
+        body = body[:-1] if body.endswith("\n") else body
+        # A block is always a message: escape a leading slash the way a user would (//).
+        return "/" + body if body.startswith("/") else body
+    return text
+
+
+class TerminalReader:
+    """prompt-toolkit: line editing, history, Enter sends, Esc-Enter inserts a newline."""
+
+    def __init__(self, history_path: Path | None):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        history = InMemoryHistory()
+        if history_path is not None:
+            try:
+                history_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(history_path, "ab"):  # fail now, not in prompt-toolkit's background thread
+                    pass
+                history = FileHistory(str(history_path))
+            except OSError as e:
+                err_console().print(Text(f"note: input history not kept: {history_path}: {_os_message(e)}",
+                                         style="yellow"), soft_wrap=True)
+
+        kb = KeyBindings()
+
+        @kb.add("enter")
+        def _enter(event):
+            buf = event.current_buffer
+            if block_open(buf.text):
+                buf.insert_text("\n")
+            elif buf.text.endswith("\\"):
+                buf.cursor_position = len(buf.text)
+                buf.delete_before_cursor(1)
+                buf.insert_text("\n")
+            else:
+                buf.validate_and_handle()
+
+        @kb.add("escape", "enter")
+        def _newline(event):
+            event.current_buffer.insert_text("\n")
+
+        output = None
+        if not sys.stdout.isatty():  # `twice chat > replies.txt`: keep the prompt off the replies
+            from prompt_toolkit.output import create_output
+
+            output = create_output(stdout=sys.stderr)
+        self.session = PromptSession(history=history, key_bindings=kb, multiline=True, output=output,
+                                     prompt_continuation=lambda width, line, wrap: CONTINUATION.rjust(width))
+
+    def read(self) -> str | None:
+        try:
+            text = self.session.prompt(PROMPT)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line
+            return None
+        return finish_input(text)
+
+
+class PlainReader:
+    """Standard input that is not a terminal: one message per line, with the same
+    continuation rules (trailing backslash, \"\"\" blocks), and no prompt."""
+
+    def __init__(self, stream=None, prompt: bool = False):
+        self.stream = stream or sys.stdin
+        self.prompt = prompt  # a terminal without prompt-toolkit still needs to see where to type
+        self.line_number = 0
+
+    def _line(self, prompt: str = PROMPT) -> str:
+        if self.prompt:
+            sys.stderr.write(prompt)
+            sys.stderr.flush()
+        buffer = getattr(self.stream, "buffer", None)
+        raw = buffer.readline() if buffer is not None else self.stream.readline()
+        if not raw:
+            raise EOFError
+        self.line_number += 1
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"line {self.line_number} of standard input is not valid UTF-8 "
+                                 f"(byte {e.start})") from None
+        return raw[:-1] if raw.endswith("\n") else raw
+
+    def read(self) -> str | None:
+        try:
+            text = self._line()
+            while True:
+                if block_open(text):
+                    try:
+                        text += "\n" + self._line(CONTINUATION)
+                    except EOFError:
+                        err_console().print(Text(f"error: standard input ended inside a {BLOCK} block; "
+                                                 "that block was not sent", style="red"), soft_wrap=True)
+                        raise
+                elif text.endswith("\\"):
+                    try:
+                        text = text[:-1] + "\n" + self._line(CONTINUATION)
+                    except EOFError:
+                        return text[:-1]
+                else:
+                    return finish_input(text)
+        except ValueError as e:
+            err_console().print(Text(f"error: {e}; skipped", style="red"), soft_wrap=True)
+            return None
+        except KeyboardInterrupt:
+            if not self.prompt:  # piped input cannot be retyped: Ctrl-C means stop
+                raise
+            sys.stderr.write("\n")  # on a terminal, Ctrl-C drops the line being typed
+            return None
+
+
+def _make_reader(history: Path | None):
+    if sys.stdin is None or not sys.stdin.isatty():
+        return PlainReader()
+    try:
+        import prompt_toolkit  # noqa: F401
+    except ImportError:
+        err_console().print(Text("note: prompt-toolkit is not installed: no line editing or history "
+                                 "(pip install prompt-toolkit)", style="yellow"), soft_wrap=True)
+        return PlainReader(prompt=True)
+    if history is None:
+        from twice.weights.paths import cache_dir
+
+        history = cache_dir() / "chat_history"
+    return TerminalReader(history.expanduser())

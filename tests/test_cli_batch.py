@@ -1,0 +1,331 @@
+"""`twice batch`: input formats, per-line options, batched results equal to each prompt
+alone, bad lines, --strict, crash safety and --resume, standard input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from clirun import run_inprocess
+from twice.cli.batch import auto_batch_size, parse_input, scan_output, sniff_format
+from twice.core.engine import Engine, GenerationSettings, Request
+from twice.core.sampling import SamplingParams
+from twice.weights.load import load
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. Caches trade memory for speed.",
+    "Prefill runs the prompt once",
+    "Café, naïve",
+    "def f(x):",
+    "Emoji: 😀 🚀 🎉 and symbols ∑ ∫ √ → ← and more text to make this one the longest prompt of all",
+]
+FIELDS = {"id", "prompt", "completion", "finish_reason", "prompt_tokens", "generated_tokens", "timings"}
+
+
+@pytest.fixture(scope="module")
+def llama(model_dirs):
+    return str(model_dirs("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    m = load(llama, device="cpu", dtype="float32")
+    return Engine(m.model, m.tokenizer, m.eos_token_ids)
+
+
+def alone(engine, text: str, n: int, **kw):
+    events = list(engine.generate(Request(text=text), GenerationSettings(max_new_tokens=n, **kw), reuse_cache=False))
+    return events[-1].result
+
+
+def batch(args, capsys, llama, **kw):
+    return run_inprocess(["batch", *args, "-m", llama], capsys, **kw)
+
+
+def read_lines(path) -> list[dict]:
+    data = path.read_bytes()
+    assert data == b"" or data.endswith(b"\n")
+    return [json.loads(line) for line in data.decode("utf-8").splitlines()]
+
+
+def write_jsonl(path, objs) -> None:
+    path.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs), encoding="utf-8")
+
+
+# -- formats and fields -----------------------------------------------------------------
+def test_txt_input_gives_one_line_per_prompt_with_the_documented_fields(tmp_path, capsys, llama):
+    src = tmp_path / "p.txt"
+    src.write_text("Hello world\n\n   \nThe quick brown fox\r\nCafé, naïve\n", encoding="utf-8")
+    r = batch([str(src), "--raw", "-n", "5"], capsys, llama)
+    assert r.code == 0, r.err
+    out = [json.loads(line) for line in r.out.splitlines()]
+    assert sorted(o["id"] for o in out) == ["1", "4", "5"]  # 1-based line numbers; blank lines skipped
+    by_id = {o["id"]: o for o in out}
+    assert by_id["4"]["prompt"] == "The quick brown fox"  # the \r of a CRLF line is not part of it
+    for o in out:
+        assert set(o) == FIELDS
+        assert set(o["timings"]) == {"ttft_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
+        assert 1 <= o["generated_tokens"] <= 5 and o["prompt_tokens"] > 0
+        assert o["finish_reason"] in ("length", "eos")
+    assert "3 prompts done, 0 skipped" in r.err
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_batched_results_equal_each_prompt_alone(tmp_path, capsys, llama, engine, size):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(src, [{"id": i, "prompt": p} for i, p in enumerate(PROMPTS)])
+    r = batch([str(src), "--raw", "-n", "12", "--batch-size", str(size), "-o", str(dst), "--timing"], capsys, llama)
+    assert r.code == 0, r.err
+    out = {o["id"]: o for o in read_lines(dst)}
+    assert sorted(out) == list(range(len(PROMPTS)))  # integer ids stay integers
+    for i, prompt in enumerate(PROMPTS):
+        want = alone(engine, prompt, 12)
+        assert (out[i]["completion"], out[i]["generated_tokens"], out[i]["prompt_tokens"]) == \
+            (want.text, want.generated_tokens, want.prompt_tokens), prompt
+    assert "batches" in r.err and f"{-(-len(PROMPTS) // size)}" in r.err  # the --timing table
+
+
+def test_per_line_options_are_honoured(tmp_path, capsys, llama, engine):
+    prompt = PROMPTS[1]
+    greedy = alone(engine, prompt, 16).text
+    stop = greedy[3:5]
+    assert len(greedy) >= 5 and stop.strip()
+    sampled = alone(engine, prompt, 10, sampling=SamplingParams(temperature=1.0, seed=7)).text
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [
+        {"id": "short", "prompt": prompt, "max_new_tokens": 3},
+        {"id": "seed-a", "prompt": prompt, "temperature": 1.0, "seed": 7, "max_new_tokens": 10},
+        {"id": "seed-b", "prompt": prompt, "temperature": 1.0, "seed": 7, "max_new_tokens": 10, "note": "kept"},
+        {"id": "stop", "prompt": prompt, "stop": [stop], "max_new_tokens": 16},
+        {"id": "stop-str", "prompt": prompt, "stop": stop, "max_new_tokens": 16},
+    ])
+    r = batch([str(src), "--raw", "-n", "16"], capsys, llama)
+    assert r.code == 0, r.err
+    out = {o["id"]: o for o in map(json.loads, r.out.splitlines())}
+    assert out["short"]["completion"] == alone(engine, prompt, 3).text
+    assert out["short"]["generated_tokens"] <= 3
+    assert out["seed-a"]["completion"] == out["seed-b"]["completion"] == sampled
+    for key in ("stop", "stop-str"):
+        assert out[key]["finish_reason"] == "stop"
+        assert out[key]["completion"] == greedy[: greedy.find(stop)]
+    assert 'key "note" is not used' in r.err  # unknown keys: noted once, not an error
+
+
+def test_chat_mode_matches_generate_and_messages_lines(tmp_path, capsys, llama):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "p", "prompt": "Hello world"},
+                      {"id": "m", "messages": [{"role": "user", "content": "Hello world"}]}])
+    r = batch([str(src), "-n", "8"], capsys, llama)  # the tiny model has a chat template: chat by default
+    assert r.code == 0, r.err
+    out = {o["id"]: o for o in map(json.loads, r.out.splitlines())}
+    assert out["m"]["messages"] == [{"role": "user", "content": "Hello world"}] and "prompt" not in out["m"]
+    g = run_inprocess(["generate", "Hello world", "-m", llama, "-n", "8", "--json"], capsys)
+    assert g.code == 0, g.err
+    assert out["p"]["completion"] == out["m"]["completion"] == json.loads(g.out)["text"]
+
+
+def test_stdin_input_and_format_sniffing(capsys, monkeypatch, llama):
+    lines = [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "The quick brown fox"}]
+    stdin = ("\n" + "".join(json.dumps(o) + "\n" for o in lines)).encode()
+    r = batch(["-", "--raw", "-n", "4"], capsys, llama, stdin=stdin, monkeypatch=monkeypatch)
+    assert r.code == 0, r.err
+    assert sorted(o["id"] for o in map(json.loads, r.out.splitlines())) == ["a", "b"]
+    r = batch(["-", "--raw", "-n", "4"], capsys, llama, stdin=b"Hello\nworld\n", monkeypatch=monkeypatch)
+    assert r.code == 0, r.err
+    assert sorted(o["id"] for o in map(json.loads, r.out.splitlines())) == ["1", "2"]
+    r = batch(["-", "--raw", "-n", "4", "--format", "txt"], capsys, llama, stdin=b'{"id": 1}\n',
+              monkeypatch=monkeypatch)
+    assert r.code == 0 and json.loads(r.out)["prompt"] == '{"id": 1}'
+
+
+def test_invalid_utf8_input_is_a_one_line_error(tmp_path, capsys, llama):
+    src = tmp_path / "bad.txt"
+    src.write_bytes(b"fine\nbad \xff byte\n")
+    r = batch([str(src), "--raw"], capsys, llama)
+    assert r.code == 2 and r.out == ""
+    assert r.err.startswith("twice: error:") and "bad.txt:2: not valid UTF-8" in r.err
+    assert r.err.count("\n") == 1
+
+
+def test_a_prompt_the_engine_cannot_serve_becomes_an_error_line(tmp_path, capsys, llama):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "long", "prompt": "Hello world " * 300}, {"id": "ok", "prompt": "Hello"}])
+    r = batch([str(src), "--raw", "-n", "4", "--batch-size", "2"], capsys, llama)
+    assert r.code == 0, r.err
+    out = {o["id"]: o for o in map(json.loads, r.out.splitlines())}
+    assert set(out["long"]) == {"id", "error", "finish_reason"} and out["long"]["finish_reason"] == "error"
+    assert "context" in out["long"]["error"]
+    assert out["ok"]["finish_reason"] in ("length", "eos")
+    assert "1 failed" in r.err
+
+
+# -- bad lines and --strict -------------------------------------------------------------
+BAD_INPUT = "\n".join([
+    '{"id": "a", "prompt": "Hello"}',
+    '{"id": "b", "prompt": ',  # 2: invalid JSON
+    '{"id": "c"}',  # 3: no prompt
+    '{"id": "d", "prompt": 5}',  # 4: wrong type
+    '{"id": "a", "prompt": "again"}',  # 5: duplicate id
+    '{"id": "e", "prompt": "x", "max_new_tokens": 0}',  # 6: out of range
+    '[1, 2]',  # 7: not an object
+    '{"id": "f", "prompt": "The quick brown fox"}',
+]) + "\n"
+
+
+def test_bad_lines_are_reported_with_line_numbers_and_the_rest_run(tmp_path, capsys, llama):
+    src = tmp_path / "in.jsonl"
+    src.write_text(BAD_INPUT)
+    r = batch([str(src), "--raw", "-n", "4"], capsys, llama)
+    assert r.code == 0, r.err
+    assert sorted(o["id"] for o in map(json.loads, r.out.splitlines())) == ["a", "f"]
+    for line, words in [(2, "invalid JSON"), (3, "missing"), (4, "must be a string"), (5, "duplicate id"),
+                        (6, "max_new_tokens"), (7, "expected a JSON object")]:
+        assert f"{src}:{line}: " in r.err and words in r.err.split(f"{src}:{line}: ")[1].splitlines()[0]
+    assert "2 prompts done, 6 skipped (bad lines)" in r.err
+    assert "Traceback" not in r.err
+
+
+def test_strict_stops_before_any_work(tmp_path, capsys, llama):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(BAD_INPUT)
+    # A model that does not exist: --strict must stop before even loading one.
+    r = run_inprocess(["batch", str(src), "--strict", "-o", str(dst), "-m", str(tmp_path / "no-model")], capsys)
+    assert r.code == 2 and not dst.exists() and r.out == ""
+    assert all(f"{src}:{line}: " in r.err for line in range(2, 8))
+    assert "twice: error: 6 bad lines" in r.err
+
+
+def test_nothing_runnable_exits_2(tmp_path, capsys, llama):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1}\n')
+    r = batch([str(src)], capsys, llama)
+    assert r.code == 2 and "no prompt could run" in r.err
+
+
+# -- output files and --resume ----------------------------------------------------------
+def test_resume_after_a_complete_run_repeats_nothing(tmp_path, capsys, llama):
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("\n".join(PROMPTS[:4]) + "\n")
+    assert batch([str(src), "--raw", "-n", "4", "-o", str(dst)], capsys, llama).code == 0
+    before = dst.read_bytes()
+    assert len(read_lines(dst)) == 4
+    r = batch([str(src), "--raw", "-n", "4", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    assert "nothing to do" in r.err and dst.read_bytes() == before
+
+
+def test_resume_after_sigkill_and_torn_write(tmp_path, capsys, llama):
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    n_prompts = 40
+    src.write_text("".join(f"{PROMPTS[i % len(PROMPTS)]} {i}\n" for i in range(n_prompts)))
+    args = ["batch", str(src), "-m", llama, "--raw", "-n", "200", "--batch-size", "1", "-o", str(dst)]
+    proc = subprocess.Popen([sys.executable, "-c", "from twice.cli.app import main; main()", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (dst.exists() and dst.read_bytes().count(b"\n") >= 3):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no output lines after 60 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    done = read_lines(dst)
+    assert 3 <= len(done) < n_prompts  # killed mid-file
+    with open(dst, "ab") as f:
+        f.write(b'{"id": "39", "completion": "torn mid-wr')  # a torn last write: no newline
+    r = batch([str(src), "--raw", "-n", "200", "--batch-size", "8", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    assert "dropped an incomplete last line" in r.err
+    out = read_lines(dst)  # every line complete, valid JSON
+    ids = [o["id"] for o in out]
+    assert sorted(ids, key=int) == [str(i) for i in range(1, n_prompts + 1)]  # each id exactly once
+    assert out[: len(done)] == done  # what the killed run wrote is kept as it was
+    assert f"{n_prompts - len(done)} prompts done" in r.err and f"{len(done)} already in the output" in r.err
+
+
+def test_resume_drops_a_last_line_that_is_not_json(tmp_path, capsys, llama):
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("Hello\nworld\n")
+    dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n{"id": "2", "compl\x00\x00\n')
+    r = batch([str(src), "--raw", "-n", "3", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    out = read_lines(dst)
+    assert [o["id"] for o in out] == ["1", "2"] and out[0]["completion"] == "x"
+
+
+@pytest.mark.parametrize("content", [
+    b"my notes\nplease keep\n",
+    b"hello",  # one line, no newline: not a torn line of ours
+    b'{"id": 1, "prompt": "an input file, not an output"}\n',
+    b'{"id": 1, "prompt": "no newline"}',
+])
+def test_resume_refuses_a_file_that_is_not_ours(tmp_path, capsys, llama, content):
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("Hello\n")
+    dst.write_bytes(content)
+    r = batch([str(src), "--raw", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 2 and "is not a twice batch output" in r.err and r.err.count("\n") == 1
+    assert dst.read_bytes() == content
+
+
+def test_output_errors_never_clobber(tmp_path, capsys, llama):
+    src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("Hello\n")
+    dst.write_bytes(b"precious\n")
+    r = batch([str(src), "--raw", "-o", str(dst)], capsys, llama)
+    assert r.code == 2 and "--resume" in r.err and dst.read_bytes() == b"precious\n"
+    r = batch([str(src), "--raw", "-o", str(tmp_path / "no-such-dir" / "out.jsonl")], capsys, llama)
+    assert r.code == 2 and "does not exist" in r.err and r.err.count("\n") == 1
+    r = batch([str(src), "--raw", "--resume"], capsys, llama)
+    assert r.code == 2 and "--resume needs --output" in r.err
+
+
+# -- pure parts -------------------------------------------------------------------------
+def test_parse_input_edge_cases():
+    records, errors = parse_input('\ufeff{"id": "a", "prompt": "x\u2028y"}\r\n\n{"id": 1, "prompt": "\\ud800"}\n'
+                                  + "[" * 100000 + "\n" + '{"id": "a", "prompt": "same id as line 1"}\n', "jsonl")
+    assert [(r.id, r.prompt) for r in records] == [("a", "x\u2028y")]
+    assert [e.line for e in errors] == [3, 4, 5] and "surrogate" in errors[0].message
+    assert "duplicate id \"a\" (first on line 1)" in errors[2].message
+    records, errors = parse_input('{"id": "q", "prompt": "p", "seed": -1, "top_p": 0}\n{"id": true, "prompt": "p"}\n'
+                                  '{"id": "z", "prompt": "p", "temperature": 1e999}', "jsonl")
+    assert not records and [e.line for e in errors] == [1, 2, 3]
+    assert sniff_format("\n  {\"id\": 1}") == "jsonl" and sniff_format("hello {") == "txt"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('{}[]":,\n\r 0123456789abidpromptseqnull\\u') + ["\ud800", "é"])),
+       st.sampled_from(["txt", "jsonl"]))
+def test_parse_input_never_raises_and_keeps_one_line_messages(text, fmt):
+    records, errors = parse_input(text, fmt)
+    assert all("\n" not in e.message for e in errors)
+    assert len({r.key for r in records}) == len(records)
+
+
+def test_scan_output_and_auto_batch_size():
+    ours = b'{"id": "1", "completion": "", "finish_reason": "eos"}\n'
+    assert scan_output(ours, "o").done == {"1"} and scan_output(ours, "o").keep_bytes is None
+    state = scan_output(ours + b'{"id": "2", "comp', "o")
+    assert state.keep_bytes == len(ours) and state.done == {"1"}
+    assert scan_output(b'{"i', "o").keep_bytes == 0  # a first line torn before its end
+    assert auto_batch_size(100, 1000, 64 * 100 * 1000 * 4) == 64
+    assert auto_batch_size(100, 1000, 5 * 100 * 1000 * 4) == 4
+    assert auto_batch_size(100, 1000, 10) == 1
+    assert auto_batch_size(100, 1000, None) == 8
+
+
+def test_help_documents_the_batch_size_rule(capsys):
+    r = run_inprocess(["batch", "--help"], capsys)
+    assert r.code == 0
+    text = " ".join(r.out.split())
+    assert "25%" in text and "64" in text and "completion order" in text
