@@ -11,6 +11,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def short_bytes(n: float) -> str:
+    """Compact bytes for tight places (the status line): 512B, 19.5K, 1.2M, 3.0G."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+def human_count(n: float) -> str:
+    """A count in thousands, millions, billions: 127.3 K, 135.0 M, 1.7 B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f}"
+
+
 def seconds(s: float) -> str:
     if s < 1e-3:
         return f"{s * 1e6:.0f} µs"

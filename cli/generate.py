@@ -1,7 +1,13 @@
-"""`twice generate PROMPT`: one prompt, streamed."""
+"""`twice generate PROMPT`: one prompt, streamed.
+
+stdout carries the generated text (or, with --json, one JSON object) and nothing else;
+the live status line, notes and the --timing report go to stderr (the status line to
+stdout's terminal when stdout is one: it is erased at the end).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -9,7 +15,6 @@ import typer
 
 from . import options as o
 from .app import app
-from .console import COLOR, err_console
 from .prompt_input import read_prompt
 from .readout import Readout
 
@@ -33,18 +38,22 @@ def generate(
     chat: o.Chat = None,
     prefill_chunk: o.PrefillChunk = None,
     timing: o.Timing = False,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, counts and timings."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
+                                 "timings, cache bytes, model, settings) instead of the text."),
     no_color: o.NoColor = False,
 ):
     """Generate a continuation of PROMPT (or a reply, in chat mode) and stream it."""
+    # Bad settings fail in one line before the model loads; so does a missing prompt.
+    o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    text = read_prompt(prompt)
+
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
     from twice.weights.load import load
 
-    if no_color:
-        COLOR["on"] = False
-    text = read_prompt(prompt)
-    err = err_console()
-    with Readout(show_text=not as_json) as readout:
+    where = ", ".join(f"{k} {v}" for k, v in (("device", device), ("dtype", dtype)) if v != "auto")
+    loading = f"{model or 'the default model'}: config, tokenizer, weights" + (f" ({where})" if where else "")
+    with Readout(show_text=not as_json, no_color=no_color) as readout:
+        readout.set_phase("loading", loading)
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)
@@ -55,26 +64,63 @@ def generate(
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             request = Request(messages=messages)
         else:
+            if system:
+                readout.note("--system is used only in chat mode; ignored with --raw"
+                             + ("" if chat is False else " (the model has no chat template)"))
             request = Request(text=text)
+        readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
         result = None
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):
-                err.print(f"[yellow]note:[/yellow] {event.message}")
+                readout.note(event.message)
             elif isinstance(event, Done):
                 result = event.result
             else:
                 readout.on_event(event)
     out = sys.stdout
     if as_json:
-        payload = {"model": loaded.name, "settings": {"max_new_tokens": max_new_tokens, "chat": use_chat,
-                                                       **sampling.__dict__, "stop": list(settings.stop)},
-                   "load_s": loaded.load_seconds, **result.to_dict()}
-        out.write(json.dumps(payload) + "\n")
+        out.write(json.dumps(json_payload(result, loaded, settings, use_chat, system if use_chat else None)) + "\n")
     else:
         out.write("\n")
     out.flush()
     if timing:
-        from .report import timing_table
+        from .report import print_timing
 
-        err.print(timing_table(result, loaded))
+        print_timing(result, loaded, no_color=no_color)
+
+
+def json_payload(result, loaded, settings, chat: bool, system: str | None) -> dict:
+    """The --json object: the model, every setting used, and the result (text, token
+    counts, finish reason, timings, cache bytes, memory, bandwidth)."""
+    from .report import bandwidth, latency_percentiles
+
+    body = result.to_dict()
+    timings = body.pop("timings")
+    timings = {
+        "load_s": loaded.load_seconds,
+        "load_weights_s": loaded.weights_seconds,
+        "load_tokenizer_s": loaded.tokenizer_seconds,
+        **timings,
+        **{f"step_{k}_s": v for k, v in latency_percentiles(result.step_seconds).items()},
+    }
+    body["cache"]["context_length"] = result.cache.context_length
+    return {
+        "model": loaded.name,
+        "model_folder": str(loaded.folder),
+        "model_type": loaded.config.model_type,
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            **dataclasses.asdict(settings.sampling),
+            "stop": list(settings.stop),
+            "chat": chat,
+            "system": system,
+            "prefill_chunk": settings.prefill_chunk,
+            "device": result.device,
+            "dtype": result.dtype,
+        },
+        "load_s": loaded.load_seconds,
+        **body,
+        "timings": timings,
+        "bandwidth": bandwidth(result),
+    }

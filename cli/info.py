@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.console import Console
 
 from . import options as o
 from .app import app
-from .console import COLOR, out_console
-from .format import human_bytes
+from .console import COLOR
+from .format import human_bytes, human_count
+
+INFO_WIDTH = 120  # off a terminal (piped, redirected), at least this many columns
 
 
 @app.command()
@@ -21,10 +24,12 @@ def info(
     no_color: o.NoColor = False,
 ):
     """Architecture, size, context length and KV cache cost of a model."""
+    from twice.core.device import DTYPES
+    from twice.core.errors import DeviceError
     from twice.weights.inspect import describe
 
-    if no_color:
-        COLOR["on"] = False
+    if dtype != "auto" and dtype not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     facts = describe(model, revision, dtype)
     if as_json:
         print(json.dumps(facts))
@@ -34,22 +39,39 @@ def info(
     t = Table(show_header=False, title=facts["name"], title_justify="left")
     t.add_column(style="bold")
     t.add_column()
+    element = facts["kv_bytes_per_token"] // max(1, 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"])
+    formula = f"2 · {facts['layers']} · {facts['kv_heads']} · {facts['head_dim']} · {element}"
     rows = [
         ("architecture", f"{facts['model_type']} ({facts['folder']})"),
-        ("parameters", f"{facts['parameters']:,}"),
+        ("parameters", f"{facts['parameters']:,} ({human_count(facts['parameters'])})"),
         ("stored dtype", str(facts["stored_dtype"])),
-        ("weights", f"{human_bytes(facts['weight_bytes'])} in {facts['dtype']}"),
+        ("weights", f"{human_bytes(facts['weight_bytes'])} in {facts['dtype']} ({facts['weight_bytes']:,} B)"),
         ("context length", f"{facts['context_length']:,} tokens"),
         ("layers / heads / kv heads / head dim",
          f"{facts['layers']} / {facts['heads']} / {facts['kv_heads']} / {facts['head_dim']}"),
         ("hidden / intermediate / vocab", f"{facts['hidden_size']} / {facts['intermediate_size']} / {facts['vocab_size']}"),
-        ("rope", str(facts["rope"])),
-        ("sliding window", str(facts["sliding_window"])),
-        ("KV cache per token", f"{human_bytes(facts['kv_bytes_per_token'])} (2 · L · H_kv · d · bytes)"),
-        ("KV cache at full context", human_bytes(facts["kv_bytes_full_context"])),
+        ("position encoding", _rope(facts["rope"])),
+        ("sliding window", f"{facts['sliding_window']:,} tokens" if facts["sliding_window"] else "none"),
+        ("KV cache per token",
+         f"{human_bytes(facts['kv_bytes_per_token'])}: 2 · L · H_kv · d · bytes = {formula} = {facts['kv_bytes_per_token']:,} B"),
+        ("KV cache at full context",
+         f"{human_bytes(facts['kv_bytes_full_context'])} (per token × {facts['context_length']:,})"),
         ("chat template", "yes" if facts["chat_template"] else "no"),
         ("eos tokens", ", ".join(map(str, facts["eos_token_ids"])) or "none"),
     ]
     for k, v in rows:
         t.add_row(k, v)
-    out_console().print(t)
+    color = None if (COLOR["on"] and not no_color) else True  # None: rich reads NO_COLOR itself
+    console = Console(no_color=color, highlight=False)
+    if not console.is_terminal:
+        console = Console(no_color=color, highlight=False, width=max(console.width, INFO_WIDTH))
+    console.print(t)
+
+
+def _rope(rope: dict | None) -> str:
+    if not rope:
+        return "learned absolute positions"
+    kind = rope.get("rope_type", "default")
+    rest = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in rope.items() if k != "rope_type")
+    return f"RoPE {kind}" + (f" ({rest})" if rest else "")

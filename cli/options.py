@@ -45,3 +45,14 @@ def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p,
         ),
         seed=seed,
     )
+
+
+def check_flags(max_new_tokens=None, prefill_chunk=None, temperature=None, top_k=None, top_p=None, min_p=None,
+                repetition_penalty=None, seed=None) -> None:
+    """Refuse impossible settings before the model loads (one-line PromptError), with the
+    same checks the engine makes later on the merged settings."""
+    from twice.core.engine import GenerationSettings
+
+    sampling = sampling_params({}, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    GenerationSettings(max_new_tokens=256 if max_new_tokens is None else max_new_tokens, sampling=sampling,
+                       prefill_chunk=prefill_chunk)

@@ -1,13 +1,15 @@
 """The live readout: streamed text with a status line under it.
 
-On a terminal the text streams to stdout and one status line (phase, TTFT, prefill and
-decode speed, KV cache) is drawn under it with rich Live, refreshed at most a few times a
-second so that drawing never costs decode speed, and removed at the end (transient), so
-scrollback keeps only the text. Completed lines are printed above the live region; the
-line being written sits inside it until its newline arrives.
+On a terminal the text streams to stdout and one status line (phase, prompt tokens, TTFT,
+prefill and decode speed, tokens generated, KV cache, share of the context) is drawn
+under it with rich Live. Drawing happens at most every REFRESH_SECONDS (plus once at each
+change of phase), never per token, so that it never costs decode speed; the region is
+transient, so at the end it is erased and scrollback keeps only the text. Completed lines
+are printed above the live region at draw time; the line being written sits inside it
+until its newline arrives.
 
-stdout not a terminal: stdout gets the text alone; the status line goes to stderr if that
-is a terminal, else nowhere.
+stdout not a terminal: stdout gets the text alone, written as it comes; the status line
+goes to stderr if that is a terminal (and is erased there at the end), else nowhere.
 """
 
 from __future__ import annotations
@@ -21,25 +23,29 @@ from rich.live import Live
 from rich.text import Text
 
 from .console import COLOR
-from .format import human_bytes
+from .format import human_bytes, short_bytes
 
-REFRESH_SECONDS = 0.25
+REFRESH_SECONDS = 0.25  # at most 4 redraws a second while tokens stream
+RATE_WINDOW = 32  # tokens in the rolling decode rate
 
 
 class Readout:
-    def __init__(self, show_text: bool = True, live: bool | None = None, stream=None):
+    def __init__(self, show_text: bool = True, live: bool | None = None, stream=None, no_color: bool = False):
         self.stream = stream or sys.stdout
         self.show_text = show_text
+        self.no_color = True if (no_color or not COLOR["on"]) else None  # None: rich reads NO_COLOR
         out_tty = _isatty(self.stream)
         err_tty = _isatty(sys.stderr)
-        self.live_on_stdout = show_text and out_tty if live is None else (live and out_tty and show_text)
-        want_live = (out_tty or err_tty) if live is None else live
+        # live=None: automatic (a status line wherever there is a terminal); False: none.
+        want_live = (out_tty or err_tty) if live is None else bool(live)
+        self.live_on_stdout = want_live and show_text and out_tty
         self.console: Console | None = None
         if want_live and (self.live_on_stdout or err_tty):
             self.console = Console(file=self.stream if self.live_on_stdout else sys.stderr,
-                                   no_color=not COLOR["on"], highlight=False, emoji=False, markup=False)
+                                   no_color=self.no_color,
+                                   highlight=False, emoji=False, markup=False)
         self.live: Live | None = None
-        self.partial = ""  # the line being written (live mode)
+        self.partial = ""  # text not yet shown (live on stdout): completed lines, then the open line
         self.phase = "loading"
         self.detail = ""
         self.prompt_tokens = self.reused = 0
@@ -47,8 +53,14 @@ class Readout:
         self.generated = 0
         self.cache = None
         self.context_length = 0
-        self._recent: deque[tuple[float, int]] = deque(maxlen=32)  # (time, tokens) for a rolling rate
+        self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, tokens) for a rolling rate
         self._last_draw = 0.0
+        self.draws = 0  # how many times the status was drawn (tests check it stays small)
+
+    @property
+    def active(self) -> bool:
+        """Whether a status line is being drawn."""
+        return self.live is not None
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> "Readout":
@@ -63,8 +75,9 @@ class Readout:
 
     def close(self) -> None:
         if self.live is not None:
-            self.live.stop()
-            self.live = None
+            self._flush_lines()
+            live, self.live = self.live, None
+            live.stop()  # erases the status line (transient)
         if self.partial:
             self.stream.write(self.partial)
             self.partial = ""
@@ -75,43 +88,47 @@ class Readout:
         self.phase, self.detail = phase, detail
         self._draw(force=True)
 
+    def note(self, message: str, style: str = "yellow") -> None:
+        """A one-line message on stderr that does not disturb the status line."""
+        line = Text("note: ", style=style) + Text(message)
+        if self.live is not None and (not self.live_on_stdout or _isatty(sys.stderr)):
+            # Above the live region, on the terminal it is drawn on (writing to the same
+            # terminal through another stream would tear the region).
+            self._flush_lines()
+            self.live.console.print(line, soft_wrap=True)
+            return
+        Console(stderr=True, no_color=self.no_color, highlight=False).print(line, soft_wrap=True)
+
     def on_event(self, event) -> None:
         kind = type(event).__name__
-        if kind == "PrefillStart":
-            self.prompt_tokens, self.reused = event.prompt_tokens, event.reused_tokens
-            self.cache, self.context_length = event.cache, event.cache.context_length
-            self.generated = 0
-            self._recent.clear()
-            detail = f"reused {event.reused_tokens} cached tokens, prefilling {event.new_tokens} new" \
-                if event.reused_tokens else f"{event.prompt_tokens} prompt tokens"
-            self.set_phase("prefill", detail)
-        elif kind == "TokenEvent":
+        if kind == "TokenEvent":
             self.cache = event.cache
             self.generated += 1
+            self._recent.append((time.perf_counter(), self.generated))
+            if self.show_text and event.text:
+                self.write(event.text)
             if event.index == 0:
                 self.ttft = event.elapsed
                 new = self.prompt_tokens - self.reused
                 self.prefill_tps = new / event.step_seconds if event.step_seconds > 0 else None
-                self.phase = "decode"
-                self.detail = (f"reused {self.reused} cached tokens, prefilled {new} new" if self.reused else "")
-            self._recent.append((time.perf_counter(), self.generated))
-            if self.show_text and event.text:
-                self.write(event.text)
-            self._draw()
+                self.set_phase("decode")
+            else:
+                self._draw()
+        elif kind == "PrefillStart":
+            self.prompt_tokens, self.reused = event.prompt_tokens, event.reused_tokens
+            self.cache, self.context_length = event.cache, event.cache.context_length
+            self.generated = 0
+            self.ttft = self.prefill_tps = None
+            self._recent.clear()
+            detail = f"{event.new_tokens} new tokens" if event.reused_tokens else ""
+            self.set_phase("prefill", detail)
 
     def write(self, text: str) -> None:
         if self.live is None or not self.live_on_stdout:
             self.stream.write(text)
             self.stream.flush()
             return
-        self.partial += text
-        if "\n" in self.partial:
-            done, self.partial = self.partial.rsplit("\n", 1)
-            self.live.console.print(Text(done), soft_wrap=True)
-        width = max(20, self.console.width)
-        while len(self.partial) >= width:  # a line wider than the terminal: flush whole rows
-            row, self.partial = self.partial[:width], self.partial[width:]
-            self.live.console.print(Text(row), soft_wrap=True)
+        self.partial += text  # shown at the next draw (at most REFRESH_SECONDS away)
 
     # -- drawing -----------------------------------------------------------------------
     def _draw(self, force: bool = False) -> None:
@@ -120,40 +137,78 @@ class Readout:
         now = time.perf_counter()
         if force or now - self._last_draw >= REFRESH_SECONDS:
             self._last_draw = now
+            self.draws += 1
+            if self._flush_lines():
+                return  # printing above the live region redrew it already
             self.live.refresh()
 
-    def status_text(self) -> str:
-        parts = [self.phase]
+    def _flush_lines(self) -> bool:
+        """Print the completed lines (and whole terminal rows of a line too long for the
+        terminal) above the live region; keep the open line inside it. True if printed."""
+        if not self.live_on_stdout or not self.partial:
+            return False
+        done = ""
+        if "\n" in self.partial:
+            done, self.partial = self.partial.rsplit("\n", 1)
+            done += "\n"
+        width = max(20, self.console.width)
+        if cell_len(self.partial) >= width:
+            rows = chop_cells(self.partial, width)
+            # A row of exactly the terminal's width followed by a newline looks the same
+            # as the terminal wrapping it; the last (short) row stays open.
+            full = rows[:-1] if cell_len(rows[-1]) < width else rows
+            done += "".join(r + "\n" for r in full)
+            self.partial = "".join(rows[len(full):])
+        if not done:
+            return False
+        self.live.console.print(Text(done[:-1]), soft_wrap=True)
+        return True
+
+    def status_text(self, width: int | None = None) -> str:
+        """The status line; in its short form when the long one is wider than `width`."""
+        parts = self._status_parts()
+        text = " · ".join(long for long, _ in parts)
+        if width is not None and cell_len(text) > width:
+            text = " │ ".join(short for _, short in parts)
+        return text
+
+    def _status_parts(self) -> list[tuple[str, str]]:
+        """(long, short) forms of each field."""
+        parts = [(self.phase, self.phase)]
         if self.detail:
-            parts.append(self.detail)
-        elif self.prompt_tokens:
-            parts.append(f"prompt {self.prompt_tokens} tok")
+            parts.append((self.detail, self.detail))
+        if self.prompt_tokens:
+            reused = f" ({self.reused:,} reused)" if self.reused else ""
+            parts.append((f"prompt {self.prompt_tokens:,} tok{reused}", f"prompt {self.prompt_tokens:,}{reused}"))
         if self.ttft is not None:
-            parts.append(f"TTFT {self.ttft * 1000:.0f} ms")
+            parts.append((f"TTFT {self.ttft * 1000:,.0f} ms", f"TTFT {self.ttft * 1000:,.0f}ms"))
         if self.prefill_tps:
-            parts.append(f"prefill {self.prefill_tps:,.0f} tok/s")
+            parts.append((f"prefill {self.prefill_tps:,.0f} tok/s", f"pf {self.prefill_tps:,.0f} t/s"))
         rate = self.decode_rate()
         if rate:
-            parts.append(f"decode {rate:,.1f} tok/s")
+            parts.append((f"decode {rate:,.1f} tok/s", f"dec {rate:,.1f} t/s"))
         if self.generated:
-            parts.append(f"{self.generated} generated")
+            parts.append((f"{self.generated:,} generated", f"{self.generated:,} generated"))
         if self.cache is not None:
             c = self.cache
-            used = f"KV {human_bytes(c.bytes_in_use)} / {human_bytes(c.bytes_allocated)}"
-            used += f" ({human_bytes(c.bytes_per_token)}/tok)"
+            parts.append((f"KV {human_bytes(c.bytes_in_use)} / {human_bytes(c.bytes_allocated)}",
+                          f"KV {short_bytes(c.bytes_in_use)}/{short_bytes(c.bytes_allocated)}"))
+            parts.append((f"{human_bytes(c.bytes_per_token)}/tok", f"{short_bytes(c.bytes_per_token)}/t"))
             if self.context_length:
-                used += f", ctx {100 * c.tokens / self.context_length:.1f}%"
-            parts.append(used)
-        return " · ".join(parts)
+                pct = f"{100 * c.tokens / self.context_length:.1f}%"
+                parts.append((f"context {pct}", f"ctx {pct}"))
+        return parts
 
     def decode_rate(self) -> float | None:
+        """Tokens per second over the last RATE_WINDOW tokens (first token excluded)."""
         if len(self._recent) < 2:
             return None
         (t0, n0), (t1, n1) = self._recent[0], self._recent[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
     def _render(self):
-        status = Text(self.status_text(), style="dim", no_wrap=True, overflow="ellipsis")
+        width = self.console.width if self.console is not None else None
+        status = Text(self.status_text(width), style="dim", no_wrap=True, overflow="ellipsis")
         if self.live_on_stdout and self.partial:
             return Group(Text(self.partial), status)
         return status
@@ -168,6 +223,18 @@ class _Dynamic:
 
     def __rich__(self):
         return self.readout._render()
+
+
+def cell_len(text: str) -> int:
+    from rich.cells import cell_len as _cell_len
+
+    return _cell_len(text)
+
+
+def chop_cells(text: str, width: int) -> list[str]:
+    from rich.cells import chop_cells as _chop
+
+    return _chop(text, width)
 
 
 def _isatty(stream) -> bool:

@@ -1,50 +1,145 @@
-"""The --timing report: every number with the definition it was measured by."""
+"""The --timing report: every number with the definition it was measured by.
+
+`timing_table` builds the table; `print_timing` prints it on stderr, at least
+REPORT_WIDTH columns wide when stderr is not a terminal (a file or a pipe has no width,
+and rich would otherwise squeeze the definitions into 80 columns).
+"""
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
 
+from .console import COLOR
 from .format import human_bytes, percentile, seconds
+
+REPORT_WIDTH = 120
+
+
+def report_console(no_color: bool = False) -> Console:
+    """A stderr console for reports: the terminal's width, or at least REPORT_WIDTH off a terminal."""
+    color = None if (COLOR["on"] and not no_color) else True  # None: rich reads NO_COLOR itself
+    console = Console(stderr=True, no_color=color, highlight=False)
+    if not console.is_terminal:
+        console = Console(stderr=True, no_color=color, highlight=False, width=max(console.width, REPORT_WIDTH))
+    return console
+
+
+def print_timing(result, loaded, no_color: bool = False, console: Console | None = None) -> None:
+    (console or report_console(no_color)).print(timing_table(result, loaded))
+
+
+def latency_percentiles(steps: list[float]) -> dict:
+    """p50/p90/p99/max of the decode steps (nearest rank), in seconds."""
+    return {"p50": percentile(steps, 50), "p90": percentile(steps, 90), "p99": percentile(steps, 99),
+            "max": max(steps) if steps else 0.0}
+
+
+def device_bandwidth(device: str) -> float | None:
+    """The device's peak memory bandwidth in bytes/s, where twice knows it."""
+    try:
+        from twice.core import device as core_device
+    except ImportError:  # pragma: no cover
+        return None
+    lookup = getattr(core_device, "device_bandwidth_bytes", None)
+    if lookup is None:
+        return None
+    try:
+        value = lookup(device)
+    except Exception:  # a lookup that fails must not cost the report
+        return None
+    return float(value) if value else None
+
+
+def bandwidth(result) -> dict:
+    """Achieved decode bandwidth: (weight bytes + mean KV cache bytes read per step) ×
+    decode tokens/s; and, where the device's peak is known, the fraction of it."""
+    per_token = result.bytes_read_per_token()
+    rate = result.decode_tokens_per_second
+    achieved = per_token * rate if rate else None
+    peak = device_bandwidth(result.device)
+    return {
+        "bytes_read_per_token": per_token,
+        "achieved_bytes_per_s": achieved,
+        "device_peak_bytes_per_s": peak,
+        "fraction_of_peak": achieved / peak if (achieved and peak) else None,
+    }
+
+
+def _unknown_peak() -> str:
+    try:
+        from .app import app
+
+        names = {c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands}
+    except Exception:  # pragma: no cover
+        names = set()
+    hint = "; measure it with twice bench" if "bench" in names else ""
+    return f"twice has no peak bandwidth for this device{hint}"
 
 
 def timing_table(result, loaded) -> Table:
     c = loaded.config
     r = result
     t = Table(title="twice timing report", show_header=True, header_style="bold", title_justify="left")
-    t.add_column("phase")
+    t.add_column("phase", style="cyan")
     t.add_column("measure")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", style="bold")
     t.add_column("definition", style="dim")
 
-    t.add_row("load", "weights", seconds(loaded.weights_seconds), "resolve files, read config, copy tensors to the device")
+    t.add_row("load", "weights", seconds(loaded.weights_seconds),
+              "resolve files, read config, build the model, copy tensors to the device")
     t.add_row("", "tokenizer", seconds(loaded.tokenizer_seconds), "read tokenizer.json and tokenizer_config.json")
+    compile_seconds = getattr(r, "compile_seconds", 0.0)
+    if compile_seconds:
+        t.add_row("", "compile", seconds(compile_seconds),
+                  "torch.compile of the decode step before this request (not part of TTFT)")
     t.add_row("request", "tokenize", seconds(r.tokenize_seconds), "prompt (and chat template) → token ids")
     new = r.prompt_tokens - r.reused_tokens
-    t.add_row("prefill", "prompt tokens", f"{r.prompt_tokens}" + (f" ({r.reused_tokens} reused, {new} new)" if r.reused_tokens else ""),
+    t.add_row("prefill", "prompt tokens",
+              f"{r.prompt_tokens:,}" + (f" ({r.reused_tokens:,} reused, {new:,} new)" if r.reused_tokens else ""),
               "tokens in the prompt; reused = already in the KV cache")
     t.add_row("", "time", seconds(r.prefill_seconds), "forward pass over the new prompt tokens, synchronized")
     t.add_row("", "tokens/s", f"{r.prefill_tokens_per_second:,.1f}", "new prompt tokens ÷ prefill time")
     t.add_row("", "TTFT", seconds(r.ttft_seconds), "request start → first token's text (tokenize + prefill + sample)")
     steps = r.step_seconds
-    t.add_row("decode", "tokens", str(r.generated_tokens), f"generated; finish: {r.finish_reason}")
+    t.add_row("decode", "tokens", f"{r.generated_tokens:,}", f"generated, the first included; finish: {r.finish_reason}")
     t.add_row("", "time", seconds(r.decode_seconds), "first token → last token")
-    t.add_row("", "tokens/s", f"{r.decode_tokens_per_second:,.1f}", "(generated − 1) ÷ decode time")
+    t.add_row("", "tokens/s", f"{r.decode_tokens_per_second:,.1f}",
+              "after the first token: (generated − 1) ÷ decode time")
     if steps:
-        lat = " / ".join(seconds(percentile(steps, q)) for q in (50, 90, 99)) + f" / {seconds(max(steps))}"
-        t.add_row("", "latency p50/p90/p99/max", lat, "wall time of each decode step")
-    e = r.cache.bytes_per_token // (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim)
-    n = r.cache.tokens
-    formula = f"2 · {c.num_hidden_layers} · {r.cache.batch} · {n} · {c.num_key_value_heads} · {c.head_dim} · {e}"
-    t.add_row("KV cache", "in use", human_bytes(r.cache.bytes_in_use), f"2 · L · B · N · H_kv · d · bytes = {formula}")
-    t.add_row("", "allocated", human_bytes(r.cache.bytes_allocated), f"preallocated for {r.cache.capacity} tokens")
-    t.add_row("", "per token", human_bytes(r.cache.bytes_per_token), "2 · L · H_kv · d · bytes")
+        p = latency_percentiles(steps)
+        t.add_row("", "step latency p50", seconds(p["p50"]),
+                  f"wall time of each of the {len(steps):,} decode steps after the first token; nearest-rank "
+                  "percentiles: half the steps took at most p50")
+        t.add_row("", "step latency p90", seconds(p["p90"]), "90% of the steps took at most this")
+        t.add_row("", "step latency p99", seconds(p["p99"]), "99% of the steps took at most this")
+        t.add_row("", "step latency max", seconds(p["max"]), "the slowest step")
+    L, H, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    e = r.cache.bytes_per_token // (2 * L * H * d)
+    b, n = r.cache.batch, r.cache.tokens
+    formula = f"2 · {L} · {b} · {n} · {H} · {d} · {e}"
+    t.add_row("KV cache", "in use", human_bytes(r.cache.bytes_in_use),
+              f"2 · L · B · N · H_kv · d · bytes = {formula} = {r.cache.bytes_in_use:,} B")
+    t.add_row("", "allocated", human_bytes(r.cache.bytes_allocated),
+              f"preallocated for N = {r.cache.capacity:,} tokens: 2 · {L} · {b} · {r.cache.capacity} · {H} · {d} · {e}")
+    t.add_row("", "per token", human_bytes(r.cache.bytes_per_token),
+              f"2 · L · H_kv · d · bytes = 2 · {L} · {H} · {d} · {e} = {r.cache.bytes_per_token:,} B")
     t.add_row("", "at full context", human_bytes(r.cache.bytes_full_context),
-              f"one sequence of {r.cache.context_length} tokens")
+              f"one sequence of the model's {r.cache.context_length:,} tokens: per token × {r.cache.context_length:,}")
     where = "torch.cuda.max_memory_allocated" if r.device.startswith("cuda") else "peak process RSS"
     t.add_row("memory", "peak", human_bytes(r.peak_memory_bytes), where)
-    t.add_row("", "weights", human_bytes(r.weight_bytes), f"{r.device}, {r.dtype}")
-    if r.decode_tokens_per_second:
-        bw = r.bytes_read_per_token() * r.decode_tokens_per_second
-        t.add_row("bandwidth", "achieved", f"{bw / 1e9:,.2f} GB/s",
-                  "(weight bytes + mean KV bytes read per step) × decode tokens/s")
+    t.add_row("", "weights", human_bytes(r.weight_bytes), f"parameters × bytes per element, on {r.device} in {r.dtype}")
+    t.add_row("", "device / dtype", f"{r.device} / {r.dtype}", "where the model ran, and its weights' dtype")
+    bw = bandwidth(r)
+    if bw["achieved_bytes_per_s"]:
+        t.add_row("bandwidth", "achieved", f"{bw['achieved_bytes_per_s'] / 1e9:,.2f} GB/s",
+                  f"(weight bytes + mean KV bytes read per step = {human_bytes(bw['bytes_read_per_token'])}) "
+                  "× decode tokens/s")
+        if bw["fraction_of_peak"] is not None:
+            t.add_row("", "of device peak", f"{100 * bw['fraction_of_peak']:.1f}%",
+                      f"achieved ÷ {bw['device_peak_bytes_per_s'] / 1e9:,.0f} GB/s, the {r.device} device's peak")
+        else:
+            t.add_row("", "of device peak", "unknown", f"{_unknown_peak()}")
+    else:
+        t.add_row("bandwidth", "achieved", "n/a", "needs at least 2 generated tokens (a decode step)")
     return t

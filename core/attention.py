@@ -2,8 +2,8 @@
 
 `Step` is computed once per forward pass (not once per layer): which cache columns the
 new tokens go to, their positions, and the attention masks. Grouped-query attention
-folds the query heads that share a KV head into the query-length axis, so K and V are
-read as stored ([B, kv_heads, S, D]) and never repeated in memory.
+goes through SDPA's `enable_gqa`, whose CPU and CUDA kernels index the shared KV head
+instead of repeating K and V in memory.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from .layers import Linear
 class Step:
     column: int  # first cache column this forward pass writes
     positions: torch.Tensor  # [B, T] token positions (for RoPE / learned positions)
-    masks: dict[int | None, torch.Tensor | None]  # per sliding window: bool [B, 1, n_rep*T, end], True = attend
+    # Per sliding window: None (attend to every filled column), CAUSAL (a fresh prompt:
+    # SDPA's own causal kernel) or a bool mask [B, 1, T, end], True = attend.
+    masks: dict[int | None, torch.Tensor | str | None]
 
     @staticmethod
-    def build(cache: KVCache, tokens: int, n_rep: int, windows: set[int | None]) -> "Step":
+    def build(cache: KVCache, tokens: int, windows: set[int | None]) -> "Step":
         column = cache.length
         end = column + tokens
         device = cache.k.device
@@ -37,9 +39,13 @@ class Step:
         masks: dict[int | None, torch.Tensor | None] = {}
         for window in windows:
             needs_window = window is not None and end > window
-            if tokens == 1 and starts is None and not needs_window:
-                masks[window] = None  # one query attending to every filled column
-                continue
+            if starts is None and not needs_window:
+                if tokens == 1:
+                    masks[window] = None  # one query attending to every filled column
+                    continue
+                if column == 0:
+                    masks[window] = CAUSAL
+                    continue
             k_cols = torch.arange(end, device=device)
             allowed = k_cols[None, :] <= q_cols[:, None]  # causal [T, end]
             if needs_window:
@@ -50,21 +56,25 @@ class Step:
                 # A padding query sees only itself, so its (ignored) softmax stays finite.
                 own = k_cols[None, None, :] == q_cols[None, :, None]
                 allowed = allowed & (real | own)
-            masks[window] = allowed.unsqueeze(1).repeat(1, 1, n_rep, 1)
+            masks[window] = allowed.unsqueeze(1)
         return Step(column=column, positions=positions, masks=masks)
 
 
+CAUSAL = "causal"
+
+
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None, scale: float
 ) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, kv_heads, S, D] → [B, T, H*D]."""
+    """q [B, H, T, D], k/v [B, kv_heads, S, D] → [B, T, H*D]. Query head h uses KV head
+    h // (H / kv_heads), transformers' repeat_kv order."""
     b, h, t, d = q.shape
-    kv_heads = k.shape[1]
-    if kv_heads != h:
-        # Heads h*n_rep .. h*n_rep+n_rep-1 share KV head h (transformers' repeat_kv order).
-        q = q.reshape(b, kv_heads, (h // kv_heads) * t, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+    gqa = k.shape[1] != h
+    if mask is CAUSAL:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(b, t, h * d)
 
 
 class CachedSelfAttention(torch.nn.Module):

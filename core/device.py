@@ -54,6 +54,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     """GPU: the caching allocator's peak since the last reset; CPU: the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    # Linux: VmHWM is this process image's own high-water mark. (ru_maxrss also counts
+    # the parent's memory that a fork copied in before exec, so it overstates.)
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -63,3 +72,23 @@ def free_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return None
+
+
+# Peak memory bandwidth of known GPUs (bytes/s), by a substring of the device name, most
+# specific first. Used to show decode's achieved bandwidth as a fraction of the peak.
+_GPU_BANDWIDTH = [
+    ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+    ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
+    ("L40S", 864e9), ("L40", 864e9), ("L4", 300e9), ("A10G", 600e9), ("A10", 600e9), ("T4", 320e9),
+    ("V100", 900e9), ("RTX 4090", 1.008e12), ("RTX 3090", 936e9), ("RTX 6000 Ada", 960e9), ("A6000", 768e9),
+]
+
+
+def device_bandwidth_bytes(device: str) -> float | None:
+    """Peak memory bandwidth of a known GPU in bytes/s; None for the CPU (measure it with
+    `twice bench`) or an unknown GPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(dev).lower()
+    return next((bw for key, bw in _GPU_BANDWIDTH if key.lower() in name), None)

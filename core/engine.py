@@ -23,6 +23,7 @@ import torch
 from .cache import KVCache
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
 from .errors import DeviceError, PromptError, TwiceError
+from .fastpath import CompiledDecoder, bucketed
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
 from .stopping import StopMatcher
@@ -122,6 +123,7 @@ class GenerationResult:
     device: str
     dtype: str
     prefill_batch_tokens: int = 0  # tokens in the prefill pass this row was part of
+    compile_seconds: float = 0.0  # torch.compile time spent before this request (not in TTFT)
 
     @property
     def generated_tokens(self) -> int:
@@ -154,6 +156,7 @@ class GenerationResult:
             "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated_tokens,
             "timings": {
+                "compile_s": self.compile_seconds,
                 "tokenize_s": self.tokenize_seconds,
                 "prefill_s": self.prefill_seconds,
                 "ttft_s": self.ttft_seconds,
@@ -204,6 +207,7 @@ class _Row:
         self.clamped = max_new < settings.max_new_tokens
         self.stream, self.stop = stream, StopMatcher(settings.stop)
         self.tokenize_seconds, self.reused = tokenize_seconds, reused
+        self.compile_seconds = 0.0
         self.generated: list[int] = []
         self.steps: list[float] = []
         self.pieces: list[str] = []
@@ -220,8 +224,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = ()):
+    def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
+                 compile: bool = False):
         self.model = model
+        # The compiled batch-1 decode step (fastpath.py); None = eager everywhere.
+        self.fast = CompiledDecoder(model) if compile else None
         self.tokenizer = tokenizer
         self.config = model.config
         first = next(model.parameters())
@@ -274,7 +281,10 @@ class Engine:
             self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
+        compile_seconds = self.fast.warmup(self.cache) if self.fast and self.fast.supports(self.cache) else 0.0
+        start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
+        row.compile_seconds = compile_seconds
         if row.clamped:
             yield Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} "
                          f"to fit the model's context of {self.context_length} tokens")
@@ -340,6 +350,8 @@ class Engine:
         return min(settings.max_new_tokens, room)
 
     def _capacity(self, needed: int) -> int:
+        if self.fast:
+            return bucketed(needed)  # the compiled step is specialized per bucket
         rounded = -(-needed // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
         return max(needed, min(rounded, self.context_length))
 
@@ -355,7 +367,11 @@ class Engine:
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler) -> torch.Tensor:
         with self._out_of_memory(cache, f"decoding {tokens.shape[0]} rows at {cache.length} tokens"):
-            chosen = sampler(self.model(tokens, cache))
+            if self.fast and self.fast.supports(cache) and (cache.length < cache.capacity):
+                logits = self.fast(tokens, cache)
+            else:
+                logits = self.model(tokens, cache)
+            chosen = sampler(logits)
             sampler.observe(chosen)
         return chosen
 
@@ -452,4 +468,5 @@ class Engine:
             device=str(self.device),
             dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)),
             prefill_batch_tokens=batch_tokens,
+            compile_seconds=row.compile_seconds,
         )

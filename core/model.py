@@ -60,7 +60,7 @@ class CausalLM(torch.nn.Module):
         t = input_ids.shape[1]
         if cache.length + t > cache.capacity:
             raise ValueError(f"cache holds {cache.capacity} tokens; {cache.length} + {t} do not fit")
-        step = Step.build(cache, t, self.config.num_kv_groups, self.windows)
+        step = Step.build(cache, t, self.windows)
         h = self.hidden_states(input_ids, step, cache)
         cache.length += t
         if not all_logits:

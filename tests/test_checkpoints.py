@@ -79,7 +79,8 @@ from twice.weights.load import load
 torch.ones(1)  # libraries in place before the baseline
 base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()  # resident now
 m = load(sys.argv[1], device="cpu", dtype="float32")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from twice.core.device import peak_memory_bytes
+peak = peak_memory_bytes(torch.device("cpu"))  # VmHWM: ru_maxrss would count the forked parent
 now = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 print(now - base, peak - base, m.model.weight_bytes())
 """

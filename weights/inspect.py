@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from twice.core.device import DTYPES
+from twice.core.errors import DeviceError
 
 from .checkpoint import checkpoint_files, validate_header
 from .files import read_config, read_generation_config
@@ -23,7 +24,9 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") 
         stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
     # The dtype generation would use: auto is float32 on CPU (info never touches a GPU).
     name = "float32" if dtype == "auto" else dtype
-    element = DTYPES[name].itemsize if name in DTYPES else 4
+    if name not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    element = DTYPES[name].itemsize
     params = config.parameter_count()
     eos = list(generation.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:

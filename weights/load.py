@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from twice.core.config import ModelConfig
-from twice.core.device import resolve_device, resolve_dtype
+from twice.core.device import DTYPE_NAMES, resolve_device, resolve_dtype
 from twice.core.errors import DeviceError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
@@ -50,18 +50,23 @@ class LoadedModel:
 
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
          progress=None) -> LoadedModel:
+    say = progress or (lambda message: None)
     t0 = time.perf_counter()
     folder = resolve(ref, revision, progress)
+    say("reading config")
     config = read_config(folder)
     generation = read_generation_config(folder, config)
     checkpoint_files(folder)  # fail on a missing/pickle checkpoint before building anything
     t1 = time.perf_counter()
+    say("reading tokenizer")
     tokenizer = Tokenizer(folder)
     t2 = time.perf_counter()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     try:
+        say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")
         model = build_model(config, dev, dt)
+        say("copying weights")
         load_into(model, folder)
     except torch.OutOfMemoryError:
         raise DeviceError(f"out of memory loading {folder.name} on {dev} in {dtype}; try a smaller dtype or the cpu") from None
