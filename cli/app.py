@@ -23,7 +23,7 @@ def _global(debug: bool = typer.Option(False, "--debug", help="Show tracebacks i
 
 
 def _register() -> None:
-    from . import batch, chat, convert, generate, info  # noqa: F401  (each module adds its command to `app`)
+    from . import batch, bench, chat, convert, generate, info  # noqa: F401  (each module adds its command to `app`)
 
 
 _register()

@@ -38,6 +38,7 @@ def generate(
     chat: o.Chat = None,
     prefill_chunk: o.PrefillChunk = None,
     timing: o.Timing = False,
+    compile: o.Compile = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
                                  "timings, cache bytes, model, settings) instead of the text."),
     no_color: o.NoColor = False,
@@ -69,7 +70,7 @@ def generate(
                              + ("" if chat is False else " (the model has no chat template)"))
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
         result = None
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):
@@ -80,7 +81,7 @@ def generate(
                 readout.on_event(event)
     out = sys.stdout
     if as_json:
-        out.write(json.dumps(json_payload(result, loaded, settings, use_chat, system if use_chat else None)) + "\n")
+        out.write(json.dumps(json_payload(result, loaded, settings, use_chat, system if use_chat else None, compile)) + "\n")
     else:
         out.write("\n")
     out.flush()
@@ -90,7 +91,7 @@ def generate(
         print_timing(result, loaded, no_color=no_color)
 
 
-def json_payload(result, loaded, settings, chat: bool, system: str | None) -> dict:
+def json_payload(result, loaded, settings, chat: bool, system: str | None, compiled: bool = False) -> dict:
     """The --json object: the model, every setting used, and the result (text, token
     counts, finish reason, timings, cache bytes, memory, bandwidth)."""
     from .report import bandwidth, latency_percentiles
@@ -116,6 +117,7 @@ def json_payload(result, loaded, settings, chat: bool, system: str | None) -> di
             "chat": chat,
             "system": system,
             "prefill_chunk": settings.prefill_chunk,
+            "compile": compiled,
             "device": result.device,
             "dtype": result.dtype,
         },

@@ -23,6 +23,8 @@ Chat = Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the ch
 PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this many tokens per forward pass.")]
 Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memory report at the end (stderr).")]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colors (also NO_COLOR=1).")]
+Compile = Annotated[bool, typer.Option("--compile", help="Compile the batch-1 decode step with torch.compile "
+                                                         "(faster decode; compile time is reported on its own).")]
 
 
 def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p, repetition_penalty, seed):

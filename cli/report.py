@@ -10,7 +10,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .console import COLOR
+from .console import wide_console
 from .format import human_bytes, percentile, seconds
 
 REPORT_WIDTH = 120
@@ -18,11 +18,7 @@ REPORT_WIDTH = 120
 
 def report_console(no_color: bool = False) -> Console:
     """A stderr console for reports: the terminal's width, or at least REPORT_WIDTH off a terminal."""
-    color = None if (COLOR["on"] and not no_color) else True  # None: rich reads NO_COLOR itself
-    console = Console(stderr=True, no_color=color, highlight=False)
-    if not console.is_terminal:
-        console = Console(stderr=True, no_color=color, highlight=False, width=max(console.width, REPORT_WIDTH))
-    return console
+    return wide_console(stderr=True, min_width=REPORT_WIDTH, no_color=no_color)
 
 
 def print_timing(result, loaded, no_color: bool = False, console: Console | None = None) -> None:
@@ -37,18 +33,9 @@ def latency_percentiles(steps: list[float]) -> dict:
 
 def device_bandwidth(device: str) -> float | None:
     """The device's peak memory bandwidth in bytes/s, where twice knows it."""
-    try:
-        from twice.core import device as core_device
-    except ImportError:  # pragma: no cover
-        return None
-    lookup = getattr(core_device, "device_bandwidth_bytes", None)
-    if lookup is None:
-        return None
-    try:
-        value = lookup(device)
-    except Exception:  # a lookup that fails must not cost the report
-        return None
-    return float(value) if value else None
+    from twice.core.device import device_bandwidth_bytes
+
+    return device_bandwidth_bytes(device)
 
 
 def bandwidth(result) -> dict:
@@ -67,14 +54,7 @@ def bandwidth(result) -> dict:
 
 
 def _unknown_peak() -> str:
-    try:
-        from .app import app
-
-        names = {c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands}
-    except Exception:  # pragma: no cover
-        names = set()
-    hint = "; measure it with twice bench" if "bench" in names else ""
-    return f"twice has no peak bandwidth for this device{hint}"
+    return "twice has no peak bandwidth for this device; measure it with twice bench"
 
 
 def timing_table(result, loaded) -> Table:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
-from .layers import Linear
+from .layers import Linear, ReducedLinear
 
 
 @dataclass
@@ -79,16 +79,17 @@ def attend(
 
 class CachedSelfAttention(torch.nn.Module):
     """Fused QKV projection, optional q/k norm and RoPE, cache write, attention, output
-    projection. Used by the llama family (with rope) and gpt2 (without)."""
+    projection. Used by the llama family (with rope) and gpt2 (without). Under tensor
+    parallelism `heads` and `kv_heads` are this rank's share."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
                  scale: float, layer: int, window: int | None, qk_norm: torch.nn.Module | None = None,
-                 k_norm: torch.nn.Module | None = None):
+                 k_norm: torch.nn.Module | None = None, shard=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = ReducedLinear(self.q_size, hidden, bias=o_bias, shard=shard)
         self.q_norm, self.k_norm = qk_norm, k_norm
         self.scale, self.layer, self.window = scale, layer, window
 

@@ -40,6 +40,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def set_threads(n: int) -> None:
+    """CPU threads for torch's kernels (and inductor's compiled ones)."""
+    torch.set_num_threads(n)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

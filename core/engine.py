@@ -227,8 +227,9 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
                  compile: bool = False):
         self.model = model
-        # The compiled batch-1 decode step (fastpath.py); None = eager everywhere.
-        self.fast = CompiledDecoder(model) if compile else None
+        # The compiled batch-1 decode step (fastpath.py); None = eager everywhere. (Not
+        # under tensor parallelism: its all-reduces run in the eager layers.)
+        self.fast = CompiledDecoder(model) if compile and not model.shard.active else None
         self.tokenizer = tokenizer
         self.config = model.config
         first = next(model.parameters())
@@ -258,7 +259,8 @@ class Engine:
     def cache_stats(self, cache: KVCache | None = None) -> CacheStats:
         cache = cache or self.cache
         if cache is None:
-            per_token = self.config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+            element = torch.empty((), dtype=self.dtype).element_size()
+            per_token = self.config.kv_bytes_per_token(element) // self.model.shard.world
             return CacheStats(per_token, 0, 0, 0, 0, 0, self.context_length)
         return CacheStats(cache.bytes_per_token, cache.bytes_in_use, cache.bytes_allocated, cache.length,
                           cache.capacity, cache.batch, self.context_length)
@@ -278,7 +280,8 @@ class Engine:
         self.cached_ids = self.cached_ids[:reused]
         if self.cache is None or not reuse_cache:
             self.cache = None
-            self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device)
+            self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device,
+                                 kv_heads=self.model.kv_heads)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
         compile_seconds = self.fast.warmup(self.cache) if self.fast and self.fast.supports(self.cache) else 0.0
@@ -322,7 +325,7 @@ class Engine:
                              f"to fit the model's context of {self.context_length} tokens", row=row.index)
         width = max(len(r.ids) for r in rows)
         capacity = width + max(r.max_new for r in rows) - 1
-        cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device)
+        cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device, kv_heads=self.model.kv_heads)
         pad = [width - len(r.ids) for r in rows]
         if any(pad):
             cache.starts = torch.tensor(pad, device=self.device)

@@ -12,7 +12,9 @@ from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, PlainMLP
+from .errors import UnsupportedModelError
 from .model import CausalLM, Target
+from .parallel import SINGLE, Shard
 
 
 class Block(torch.nn.Module):
@@ -34,7 +36,9 @@ class Block(torch.nn.Module):
 
 
 class GPT2Model(CausalLM):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
+        if shard.active:
+            raise UnsupportedModelError("tensor parallelism is implemented for the llama family, not gpt2")
         super().__init__(config)
         self.wte = Embedding(config.vocab_size, config.hidden_size)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)

@@ -16,6 +16,22 @@ class Linear(torch.nn.Linear):
         pass
 
 
+class ReducedLinear(Linear):
+    """A linear layer whose input features are split across tensor-parallel ranks: each
+    rank multiplies its slice, the partial sums are all-reduced, and only then is the bias
+    added (once). With one rank it is an ordinary linear layer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard=None):
+        super().__init__(in_features, out_features, bias=bias)
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard is None or not self.shard.active:
+            return F.linear(x, self.weight, self.bias)
+        y = self.shard.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
 class Embedding(torch.nn.Embedding):
     def reset_parameters(self) -> None:
         pass
@@ -53,13 +69,14 @@ ACTIVATIONS = {
 
 
 class GatedMLP(torch.nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
+    parallelism `intermediate` is this rank's share."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, shard=None):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.down_proj = ReducedLinear(intermediate, hidden, bias=bias, shard=shard)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

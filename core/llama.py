@@ -13,20 +13,24 @@ from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, GatedMLP, Linear, RMSNorm
-from .model import CausalLM, Target, fused_rows
+from .model import CausalLM, Source, Target, columns, fused_rows
+from .parallel import SINGLE, Shard
 from .rope import RotaryTables, apply_rotary
 
 
 class Block(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         c = config
+        heads = shard.part(c.num_attention_heads, "num_attention_heads")[1]
+        kv_heads = shard.part(c.num_key_value_heads, "num_key_value_heads")[1]
         norms = (RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)) if c.qk_norm else (None, None)
         self.self_attn = CachedSelfAttention(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qkv_bias, c.o_bias,
-            scale=c.head_dim**-0.5, layer=layer, window=c.window_for_layer(layer), qk_norm=norms[0], k_norm=norms[1],
+            c.hidden_size, heads, kv_heads, c.head_dim, c.qkv_bias, c.o_bias, scale=c.head_dim**-0.5, layer=layer,
+            window=c.window_for_layer(layer), qk_norm=norms[0], k_norm=norms[1], shard=shard,
         )
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias)
+        intermediate = shard.part(c.intermediate_size, "intermediate_size")[1]
+        self.mlp = GatedMLP(c.hidden_size, intermediate, c.hidden_act, c.mlp_bias, shard=shard)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -36,13 +40,16 @@ class Block(torch.nn.Module):
 
 
 class LlamaModel(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
+        super().__init__(config, shard)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = torch.nn.ModuleList(Block(config, i, shard) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            # Split by vocabulary rows across ranks when it divides evenly; else replicated.
+            self.vocab_parallel = shard.active and config.vocab_size % shard.world == 0
+            rows = config.vocab_size // shard.world if self.vocab_parallel else config.vocab_size
+            self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.rope: RotaryTables | None = None
 
     @property
@@ -65,25 +72,37 @@ class LlamaModel(CausalLM):
         return self.norm(x)
 
     def targets(self) -> dict[str, Target]:
-        c = self.config
-        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        c, shard, d = self.config, self.shard, self.config.head_dim
+        h0, hn = shard.part(c.num_attention_heads, "num_attention_heads")
+        k0, kn = shard.part(c.num_key_value_heads, "num_key_value_heads")
+        i0, i_n = shard.part(c.intermediate_size, "intermediate_size")
+        q_part = (h0 * d, hn * d, c.num_attention_heads * d)
+        kv_part = (k0 * d, kn * d, c.num_key_value_heads * d)
+        mlp_part = (i0, i_n, c.intermediate_size)
         t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight"),
                                 "model.norm.weight": Target("norm.weight")}
         # A tied head may be stored under either name; both fill the embedding.
-        t["lm_head.weight"] = Target("embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
+        if c.tie_word_embeddings:
+            t["lm_head.weight"] = Target("embed_tokens.weight")
+        elif self.vocab_parallel:
+            rows = self.lm_head.weight.shape[0]
+            t["lm_head.weight"] = Target("lm_head.weight", source=Source(0, shard.rank * rows,
+                                                                         (shard.rank + 1) * rows, c.vocab_size))
+        else:
+            t["lm_head.weight"] = Target("lm_head.weight")
         for i in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             t.update(fused_rows(f"{hf}.self_attn", f"{ours}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                                (q, kv, kv), c.qkv_bias))
-            t[f"{hf}.self_attn.o_proj.weight"] = Target(f"{ours}.self_attn.o_proj.weight")
+                                (q_part, kv_part, kv_part), c.qkv_bias))
+            t[f"{hf}.self_attn.o_proj.weight"] = columns(f"{ours}.self_attn.o_proj.weight", *q_part)
             if c.o_bias:
                 t[f"{hf}.self_attn.o_proj.bias"] = Target(f"{ours}.self_attn.o_proj.bias")
             if c.qk_norm:
                 t[f"{hf}.self_attn.q_norm.weight"] = Target(f"{ours}.self_attn.q_norm.weight")
                 t[f"{hf}.self_attn.k_norm.weight"] = Target(f"{ours}.self_attn.k_norm.weight")
             t.update(fused_rows(f"{hf}.mlp", f"{ours}.mlp.gate_up_proj", ("gate_proj", "up_proj"),
-                                (inter, inter), c.mlp_bias))
-            t[f"{hf}.mlp.down_proj.weight"] = Target(f"{ours}.mlp.down_proj.weight")
+                                (mlp_part, mlp_part), c.mlp_bias))
+            t[f"{hf}.mlp.down_proj.weight"] = columns(f"{ours}.mlp.down_proj.weight", *mlp_part)
             if c.mlp_bias:
                 t[f"{hf}.mlp.down_proj.bias"] = Target(f"{ours}.mlp.down_proj.bias")
             t[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.input_layernorm.weight")

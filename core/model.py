@@ -14,17 +14,31 @@ import torch
 from .attention import Step
 from .cache import KVCache
 from .config import ModelConfig
+from .parallel import SINGLE, Shard
+
+
+@dataclass(frozen=True)
+class Source:
+    """The part of a checkpoint tensor a tensor-parallel rank reads: [start, stop) along
+    `dim` of a tensor whose full size there is `total`."""
+
+    dim: int
+    start: int
+    stop: int
+    total: int
 
 
 @dataclass(frozen=True)
 class Target:
     """Where one checkpoint tensor goes: `param`, rows [row, row + rows) of it if `rows`,
-    transposed first if `transpose` (GPT-2's Conv1D stores [in, out])."""
+    transposed first if `transpose` (GPT-2's Conv1D stores [in, out]); only the `source`
+    slice of the checkpoint tensor when the model is split across ranks."""
 
     param: str
     row: int = 0
     rows: int | None = None
     transpose: bool = False
+    source: Source | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -34,10 +48,13 @@ class Target:
 class CausalLM(torch.nn.Module):
     config: ModelConfig
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
         super().__init__()
         self.config = config
+        self.shard = shard
+        self.kv_heads = config.num_key_value_heads // shard.world  # stored in this rank's KV cache
         self.windows = {config.window_for_layer(i) for i in range(config.num_hidden_layers)}
+        self.vocab_parallel = False  # an untied head split by vocabulary rows across ranks
 
     # Family modules implement these two.
     def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
@@ -65,7 +82,8 @@ class CausalLM(torch.nn.Module):
         cache.length += t
         if not all_logits:
             h = h[:, -1]
-        return torch.nn.functional.linear(h, self.lm_head_weight)
+        logits = torch.nn.functional.linear(h, self.lm_head_weight)
+        return self.shard.all_gather_last(logits) if self.vocab_parallel else logits
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
@@ -76,14 +94,22 @@ class CausalLM(torch.nn.Module):
         return total
 
 
-def fused_rows(prefix_hf: str, param: str, names: tuple[str, ...], sizes: tuple[int, ...], bias: bool) -> dict[str, Target]:
+def fused_rows(prefix_hf: str, param: str, names: tuple[str, ...], parts: tuple[tuple[int, int, int], ...],
+               bias: bool) -> dict[str, Target]:
     """Targets for checkpoint tensors that we store stacked in one fused parameter
-    (q/k/v → qkv_proj, gate/up → gate_up_proj)."""
+    (q/k/v → qkv_proj, gate/up → gate_up_proj). `parts` gives, per tensor, (first row,
+    rows, total rows) of the checkpoint tensor that this rank keeps."""
     out: dict[str, Target] = {}
     row = 0
-    for name, size in zip(names, sizes):
-        out[f"{prefix_hf}.{name}.weight"] = Target(f"{param}.weight", row, size)
+    for name, (start, size, total) in zip(names, parts):
+        source = Source(0, start, start + size, total) if size != total else None
+        out[f"{prefix_hf}.{name}.weight"] = Target(f"{param}.weight", row, size, source=source)
         if bias:
-            out[f"{prefix_hf}.{name}.bias"] = Target(f"{param}.bias", row, size)
+            out[f"{prefix_hf}.{name}.bias"] = Target(f"{param}.bias", row, size, source=source)
         row += size
     return out
+
+
+def columns(param: str, start: int, size: int, total: int) -> Target:
+    """A weight whose input columns are split across ranks (o_proj, down_proj)."""
+    return Target(param, source=Source(1, start, start + size, total) if size != total else None)

@@ -8,6 +8,7 @@ from .config import ModelConfig
 from .gpt2 import GPT2Model
 from .llama import LlamaModel
 from .model import CausalLM
+from .parallel import SINGLE, Shard
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "llama": LlamaModel,
@@ -18,7 +19,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = SINGLE) -> CausalLM:
     """The model's modules with storage allocated on `device` in `dtype` but not
     initialized (see layers.Linear): the loader fills every parameter. (Building on the
     meta device would do the same but imports torch's meta kernels, ~80 MB resident.)"""
@@ -26,7 +27,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = FAMILIES[config.model_type](config)
+            model = FAMILIES[config.model_type](config, shard)
     finally:
         torch.set_default_dtype(previous)
     if config.tie_word_embeddings and hasattr(model, "lm_head"):

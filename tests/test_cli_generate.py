@@ -24,7 +24,7 @@ TOP_KEYS = {"model", "model_folder", "model_type", "settings", "load_s", "text",
             "prompt_tokens", "reused_tokens", "generated_tokens", "timings", "cache", "peak_memory_bytes",
             "weight_bytes", "device", "dtype", "bandwidth"}
 SETTINGS_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                 "chat", "system", "prefill_chunk", "device", "dtype"}
+                 "chat", "system", "prefill_chunk", "compile", "device", "dtype"}
 TIMING_KEYS = {"load_s", "load_weights_s", "load_tokenizer_s", "tokenize_s", "prefill_s", "ttft_s", "decode_s",
                "prefill_tokens_per_s", "decode_tokens_per_s", "step_s", "step_p50_s", "step_p90_s", "step_p99_s",
                "step_max_s"}
@@ -78,7 +78,7 @@ def test_json_has_model_settings_text_counts_timings_and_cache(capsys, llama):
     assert d["model"] == llama and d["model_type"] == "llama"
     assert d["settings"] == {"max_new_tokens": 7, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
                              "repetition_penalty": 1.1, "seed": 3, "stop": ["never-in-output", "nor this"],
-                             "chat": True, "system": "Be brief.", "prefill_chunk": 4, "device": "cpu",
+                             "chat": True, "system": "Be brief.", "prefill_chunk": 4, "compile": False, "device": "cpu",
                              "dtype": "float32"}
     assert isinstance(d["text"], str)
     assert all(isinstance(i, int) for i in d["token_ids"])
@@ -111,7 +111,7 @@ def test_defaults_in_json_greedy_and_chat_when_the_model_has_a_template(capsys, 
     d = gen_json(capsys, CHAT_PROMPT, "-m", llama, "-n", "3")
     assert d["settings"] == {"max_new_tokens": 3, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                              "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True, "system": None,
-                             "prefill_chunk": None, "device": "cpu", "dtype": "float32"}
+                             "prefill_chunk": None, "compile": False, "device": "cpu", "dtype": "float32"}
     assert d["finish_reason"] == "length" and d["generated_tokens"] == 3
 
 

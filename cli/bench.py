@@ -1,0 +1,89 @@
+"""`twice bench`: twice against transformers and a cache-less loop, side by side, in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import options as o
+from .app import app
+from .console import err_console, wide_console
+
+WorkloadOpt = Annotated[Optional[list[str]], typer.Option(
+    "--workload", "-w", help="decode (P=32 G=256), prefill (P=2048 G=16), naive (P=1000 G=100), batch1/batch4/batch16/batch32 "
+                             "(P=32 G=64). Repeatable. Default: decode, prefill, batch1, batch4.")]
+
+
+@app.command()
+def bench(
+    model: o.Model = None,
+    shape: Annotated[Optional[str], typer.Option(help="Random weights with the shapes of a real model instead of "
+                                                      "--model: tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, "
+                                                      "llama-3.2-1b.")] = None,
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for every engine (default: torch's).")] = None,
+    workload: WorkloadOpt = None,
+    engine: Annotated[Optional[list[str]], typer.Option(
+        "--engine", "-e", help="naive, transformers, transformers-static, twice, twice-compiled (repeatable). "
+                               "Default: per workload.")] = None,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median reported), after a warm-up.")] = 3,
+    quick: Annotated[bool, typer.Option(help="Divide every workload's lengths by 8 (smoke test).")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write all numbers to this JSON file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Draw per-token decode latency against position (PNG).")] = None,
+):
+    """Measure TTFT, prefill and decode speed, latency percentiles and memory of twice against
+    transformers (same weights, dtype, device, threads), with the device's measured memory
+    bandwidth as the roofline for decode."""
+    from twice.core import benchmark as b
+
+    from .bench_render import bandwidth_line, results_table, suite_json
+
+    err = err_console()
+    if threads is not None:
+        if threads < 1:
+            from twice.core.errors import PromptError
+
+            raise PromptError(f"--threads must be at least 1, got {threads}")
+        from twice.core.device import set_threads
+
+        set_threads(threads)
+    names = workload or ["decode", "prefill", "batch1", "batch4"]
+    unknown = [n for n in names if n not in b.WORKLOADS]
+    bad_engines = [e for e in (engine or []) if e not in b.ENGINES]
+    if unknown or bad_engines:
+        from twice.core.errors import PromptError
+
+        what = f"workload {unknown[0]!r}" if unknown else f"engine {bad_engines[0]!r}"
+        known = ", ".join(b.WORKLOADS if unknown else b.ENGINES)
+        raise PromptError(f"unknown {what}; known: {known}")
+    workloads = [b.scaled(b.WORKLOADS[n], 8) if quick else b.WORKLOADS[n] for n in names]
+    say = lambda message: err.print(f"[dim]{message}[/dim]")  # noqa: E731
+    if shape is not None:
+        from twice.core.device import resolve_device, resolve_dtype
+
+        dev = resolve_device(device)
+        net = b.random_model(b.shape_config(shape), dev, resolve_dtype(dtype, dev))
+        tokenizer, name = b.NullTokenizer(), f"{shape} shapes, random weights"
+    else:
+        from twice.weights.load import load
+
+        loaded = load(model, None, device, dtype, progress=say)
+        net, tokenizer, name = loaded.model, loaded.tokenizer, loaded.name
+    setup = b.describe_setup(net) | {"model": name}
+    say(f"measuring memory bandwidth on {setup['device']}")
+    bandwidth = b.measure_bandwidth(setup["device"])
+    results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say)
+    wide_console(stderr=False, min_width=170).print(results_table(results, setup, bandwidth))
+    err.print(bandwidth_line(bandwidth))
+    if json_out is not None:
+        json_out.write_text(json.dumps(suite_json(results, setup, bandwidth), indent=1))
+        err.print(f"wrote {json_out}")
+    if plot is not None:
+        from .bench_render import latency_plot
+
+        latency_plot(results, plot, setup)
+        err.print(f"wrote {plot}")

@@ -1,0 +1,87 @@
+"""Tables, JSON and plots for `twice bench` (numbers in, text and pictures out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from .format import human_bytes, seconds
+
+
+def _reference(results, workload, engine="transformers"):
+    return next((r for w, r in results if w == workload and r.engine == engine), None)
+
+
+def ratio(value: float, reference: float | None) -> str:
+    return f"{value / reference:.2f}×" if reference else "—"
+
+
+def results_table(results, setup: dict, bandwidth: dict) -> Table:
+    read = bandwidth["read_bytes_per_s"]
+    t = Table(title=f"twice bench · {setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads",
+              title_justify="left", header_style="bold")
+    for col in ("workload", "engine", "P", "G", "B", "TTFT", "prefill tok/s", "decode tok/s", "p50", "p99",
+                "peak +mem", "decode vs hf", "prefill vs hf", "% mem bw"):
+        t.add_column(col, justify="left" if col in ("workload", "engine") else "right")
+    for w, r in results:
+        ref = _reference(results, w)
+        frac = r.bytes_read_per_step() * (r.decode_tokens_per_s / r.batch) / read if read and r.engine != "naive" else 0
+        t.add_row(w.name, r.engine, str(r.prompt_tokens), str(r.new_tokens), str(r.batch), seconds(r.ttft_s),
+                  f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.1f}", seconds(r.step_p50_s),
+                  seconds(r.step_p99_s), human_bytes(r.peak_memory_bytes),
+                  ratio(r.decode_tokens_per_s, ref.decode_tokens_per_s if ref else None),
+                  ratio(r.prefill_tokens_per_s, ref.prefill_tokens_per_s if ref else None),
+                  f"{100 * frac:.0f}%" if frac else "—")
+    t.caption = ("TTFT: start → first token. decode tok/s: (tokens − 1) ÷ (last − first token), summed over the batch. "
+                 "peak +mem: memory added during the run on top of the loaded weights. % mem bw: (weights + mean KV "
+                 "read per step) × steps/s ÷ the measured read bandwidth.")
+    return t
+
+
+def bandwidth_line(bandwidth: dict) -> str:
+    return (f"memory bandwidth on {bandwidth['device']} ({bandwidth['threads']} threads, "
+            f"{human_bytes(bandwidth['buffer_bytes'])} buffer): read {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+
+
+def suite_json(results, setup: dict, bandwidth: dict) -> dict:
+    rows = []
+    for w, r in results:
+        ref = _reference(results, w)
+        d = {"workload": w.name, **r.to_dict()}
+        d["decode_vs_transformers"] = r.decode_tokens_per_s / ref.decode_tokens_per_s if ref else None
+        d["prefill_vs_transformers"] = r.prefill_tokens_per_s / ref.prefill_tokens_per_s if ref else None
+        d["fraction_of_bandwidth"] = (r.bytes_read_per_step() * r.decode_tokens_per_s / r.batch
+                                      / bandwidth["read_bytes_per_s"]) if r.engine != "naive" else None
+        rows.append(d)
+    return {"setup": setup, "bandwidth": bandwidth, "results": rows}
+
+
+def latency_plot(results, path: Path, setup: dict) -> None:
+    """Per-token decode latency against position: naive grows with the sequence (O(N²) in
+    total), cached stays flat (O(N))."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from twice.core.errors import PromptError
+
+        raise PromptError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for w, r in results:
+        if r.batch != 1 or not r.steps_s:
+            continue
+        positions = range(r.prompt_tokens + 1, r.prompt_tokens + 1 + len(r.steps_s))
+        ax.plot(list(positions), [s * 1000 for s in r.steps_s], label=f"{r.engine} ({w.name})", linewidth=1)
+    ax.set_xlabel("position of the generated token")
+    ax.set_ylabel("decode step latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"{setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,450 @@
+"""Side-by-side measurements: twice (eager and compiled) against transformers and against
+a cache-less loop, on the same weights, dtype, device and threads, in one process.
+
+Nothing here prints: each runner returns a `Run` with its numbers, and the caller
+(`twice bench`, scripts/bench.py) renders them. Medians of repeats after a warm-up;
+peak memory is what the run added on top of the weights already resident (both models
+are loaded in the same process, so absolute RSS would count each one's weights twice).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .config import ModelConfig, config_from_dict
+from .device import DTYPE_NAMES, synchronize
+from .engine import Done, Engine, GenerationSettings, Request
+from .model import CausalLM
+from .models import build_model
+
+# Random-weight stand-ins with the exact shapes of real checkpoints (no download needed).
+SHAPES: dict[str, dict] = {
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                 tie_word_embeddings=True),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
+    "smollm2-360m": dict(model_type="llama", vocab_size=49152, hidden_size=960, intermediate_size=2560,
+                         num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+@dataclass
+class Run:
+    engine: str  # naive | transformers | transformers-static | twice | twice-compiled
+    prompt_tokens: int
+    new_tokens: int
+    batch: int
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float  # aggregate over the batch
+    step_p50_s: float
+    step_p99_s: float
+    peak_memory_bytes: int  # added during the run, on top of the resident weights
+    weight_bytes: int
+    kv_bytes_per_token: int
+    compile_s: float = 0.0
+    steps_s: list[float] = field(default_factory=list)  # per decode step (median run)
+    repeats: int = 1
+
+    def bytes_read_per_step(self) -> int:
+        """Weights once plus the KV cache read at the mean position, per step (one batch)."""
+        mean_tokens = self.prompt_tokens + self.new_tokens / 2
+        return self.weight_bytes + self.batch * int(self.kv_bytes_per_token * mean_tokens)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["bytes_read_per_step"] = self.bytes_read_per_step()
+        return d
+
+
+# -- models ----------------------------------------------------------------------------
+def shape_config(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        from .errors import PromptError
+
+        raise PromptError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    return config_from_dict(dict(SHAPES[name]), source=f"shape {name}")
+
+
+def random_model(config: ModelConfig, device, dtype, seed: int = 0) -> CausalLM:
+    model = build_model(config, torch.device(device), dtype)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def hf_twin(model: CausalLM):
+    """A transformers model with the same config and the same weights (in memory)."""
+    import transformers
+
+    c = model.config
+    kwargs = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                  num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                  rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings, head_dim=c.head_dim,
+                  rope_parameters=dict(c.rope_parameters), hidden_act=c.hidden_act)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}.get(c.model_type)
+    if cls is None:
+        raise ValueError(f"no transformers twin for {c.model_type}")
+    hf_config = cls(**kwargs)
+    first = next(model.parameters())
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype).to(first.device)
+    hf.eval().requires_grad_(False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, target in model.targets().items():
+            try:
+                dest = hf.get_parameter(name)
+            except AttributeError:  # e.g. lm_head.weight of a tied model
+                continue
+            src = params[target.param]
+            if target.rows is not None:
+                src = src[target.row : target.row + target.rows]
+            dest.copy_(src.t() if target.transpose else src)
+    return hf
+
+
+# -- memory ----------------------------------------------------------------------------
+class _PeakMemory:
+    """Peak memory added during a block: CUDA allocator peak, or the process's RSS
+    high-water mark (reset through /proc/self/clear_refs on Linux)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            _reset_rss_peak()
+            self.base = _rss()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _rss_peak()
+        self.added = max(0, peak - self.base)
+
+
+def _rss() -> int:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _rss()
+
+
+def _reset_rss_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> dict:
+    """Memory bandwidth the device reaches: a read-only pass (sum) and a copy, over a buffer
+    far larger than any cache. Decode is read-bound, so `read` is the roofline used."""
+    device = torch.device(device)
+    n = megabytes * 2**20 // 4
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    reads, copies = [], []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            synchronize(device)
+            t = time.perf_counter()
+            x.sum()
+            synchronize(device)
+            reads.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            y.copy_(x)
+            synchronize(device)
+            copies.append(time.perf_counter() - t)
+    read = x.nbytes / statistics.median(reads[1:])
+    copy = 2 * x.nbytes / statistics.median(copies[1:])
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "buffer_bytes": x.nbytes,
+            "threads": torch.get_num_threads(), "device": str(device)}
+
+
+# -- runners ---------------------------------------------------------------------------
+class NullTokenizer:
+    """For random-weight shapes: token ids have no text."""
+
+    class _Stream:
+        def step(self, token_id):
+            return ""
+
+        def finish(self):
+            return ""
+
+    def stream(self):
+        return self._Stream()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _prompts(config: ModelConfig, batch: int, prompt_tokens: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+
+
+def _median_run(runs: list[Run]) -> Run:
+    ordered = sorted(runs, key=lambda r: r.decode_tokens_per_s)
+    middle = ordered[len(ordered) // 2]
+    middle.ttft_s = statistics.median(r.ttft_s for r in runs)
+    middle.prefill_tokens_per_s = statistics.median(r.prefill_tokens_per_s for r in runs)
+    middle.repeats = len(runs)
+    return middle
+
+
+def _steps_summary(steps: list[float]) -> tuple[float, float]:
+    if not steps:
+        return 0.0, 0.0
+    s = sorted(steps)
+    return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 1, repeats: int = 3,
+              name: str | None = None) -> Run:
+    config = engine.config
+    prompts = _prompts(config, batch, prompt_tokens)
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    compile_s = 0.0
+    runs = []
+    for i in range(repeats + 1):  # the first run warms up (and compiles)
+        with _PeakMemory(engine.device) as mem:
+            if batch == 1:
+                results = [e.result for e in engine.generate(Request(ids=prompts[0]), settings, reuse_cache=False)
+                           if isinstance(e, Done)]
+            else:
+                t0 = time.perf_counter()
+                results = [e.result for e in engine.generate_batch([Request(ids=p) for p in prompts],
+                                                                   [settings] * batch) if isinstance(e, Done)]
+                wall = time.perf_counter() - t0
+        r = results[0]
+        compile_s += r.compile_seconds
+        if i == 0:
+            continue
+        if batch == 1:
+            decode_tps = r.decode_tokens_per_second
+        else:  # aggregate: all rows' tokens after the first over the decode span
+            first = min(x.ttft_seconds for x in results)
+            span = wall - first
+            decode_tps = sum(x.generated_tokens - 1 for x in results) / span if span > 0 else 0.0
+        p50, p99 = _steps_summary(r.step_seconds)
+        runs.append(Run(name or ("twice-compiled" if engine.fast else "twice"), prompt_tokens, new_tokens, batch,
+                        r.ttft_seconds, r.prefill_tokens_per_second, decode_tps, p50, p99, mem.added,
+                        engine.weight_bytes, r.cache.bytes_per_token, steps_s=list(r.step_seconds)))
+    run = _median_run(runs)
+    run.compile_s = compile_s
+    return run
+
+
+@torch.inference_mode()
+def run_naive(model: CausalLM, prompt_tokens: int, new_tokens: int, repeats: int = 1) -> Run:
+    """No cache: every new token re-runs the whole sequence (the for-loop-and-argmax baseline)."""
+    config = model.config
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    seq = torch.tensor(_prompts(config, 1, prompt_tokens), device=device)
+    runs = []
+    for i in range(repeats + 1):
+        tokens = seq
+        steps = []
+        with _PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            for _ in range(new_tokens if i else 2):
+                t = time.perf_counter()
+                cache = KVCache(config, 1, tokens.shape[1], dtype, device)  # scratch space, thrown away
+                nxt = model(tokens, cache).argmax(-1, keepdim=True)
+                synchronize(device)
+                steps.append(time.perf_counter() - t)
+                tokens = torch.cat([tokens, nxt], dim=1)
+            total = time.perf_counter() - t0
+        if i == 0:
+            continue
+        p50, p99 = _steps_summary(steps[1:])
+        runs.append(Run("naive", prompt_tokens, new_tokens, 1, steps[0], prompt_tokens / steps[0],
+                        (new_tokens - 1) / (total - steps[0]), p50, p99, mem.added, model.weight_bytes(),
+                        0, steps_s=steps[1:]))
+    return _median_run(runs)
+
+
+@torch.inference_mode()
+def run_transformers(hf, prompt_tokens: int, new_tokens: int, batch: int = 1, repeats: int = 3,
+                     static_cache: bool = False, compile: bool = False) -> Run:
+    """`generate(do_sample=False)` with per-token times taken by a logits processor."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    device = next(hf.parameters()).device
+    config = hf.config
+    ids = torch.tensor(_prompts(_shim(config), batch, prompt_tokens), device=device)
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            synchronize(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                  pad_token_id=0, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([Stamp()]))
+    if static_cache:
+        kwargs["cache_implementation"] = "static"
+    compile_s = 0.0
+    if compile:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead" if device.type == "cuda" else None)
+    runs = []
+    for i in range(repeats + 1):
+        stamps.clear()
+        with _PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            hf.generate(ids, **kwargs)
+            synchronize(device)
+        if i == 0:
+            compile_s = time.perf_counter() - t0 if compile else 0.0
+            continue
+        first, last = stamps[0], stamps[-1]
+        steps = [b - a for a, b in zip(stamps, stamps[1:])]
+        p50, p99 = _steps_summary(steps)
+        decode = batch * (len(stamps) - 1) / (last - first) if last > first else 0.0
+        weight_bytes = sum(p.nbytes for p in {p.data_ptr(): p for p in hf.parameters()}.values())
+        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * _head_dim(config) * \
+            next(hf.parameters()).element_size()
+        name = "transformers" + ("-static" if static_cache else "") + ("-compiled" if compile else "")
+        runs.append(Run(name, prompt_tokens, new_tokens, batch, first - t0, batch * prompt_tokens / (first - t0),
+                        decode, p50, p99, mem.added, weight_bytes, kv, steps_s=steps))
+    run = _median_run(runs)
+    run.compile_s = compile_s
+    return run
+
+
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class _shim:
+    def __init__(self, hf_config):
+        self.vocab_size = hf_config.vocab_size
+
+
+def describe_setup(model: CausalLM) -> dict:
+    first = next(model.parameters())
+    return {"device": str(first.device), "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "weight_bytes": model.weight_bytes(), "parameters": model.config.parameter_count(),
+            "model_type": model.config.model_type}
+
+
+# -- the suite -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_tokens: int
+    new_tokens: int
+    batch: int = 1
+
+
+WORKLOADS = {
+    "decode": Workload("decode", 32, 256),  # short prompt, long answer: decode-bound
+    "prefill": Workload("prefill", 2048, 16),  # long prompt, short answer: prefill-bound
+    "naive": Workload("naive", 1000, 100),  # cached vs recomputing everything
+    "batch1": Workload("batch1", 32, 64, 1),
+    "batch4": Workload("batch4", 32, 64, 4),
+    "batch16": Workload("batch16", 32, 64, 16),
+    "batch32": Workload("batch32", 32, 64, 32),
+}
+ENGINES = ("naive", "transformers", "transformers-static", "twice", "twice-compiled")
+
+
+def default_engines(workload: Workload) -> tuple[str, ...]:
+    if workload.name == "naive":
+        return ("naive", "twice", "transformers")
+    if workload.batch > 1:
+        return ("twice", "transformers")
+    return ("twice", "twice-compiled", "transformers")
+
+
+def scaled(workload: Workload, factor: float) -> Workload:
+    """A smaller copy (for quick runs): lengths divided by `factor`, at least 4 tokens."""
+    return Workload(workload.name, max(4, int(workload.prompt_tokens / factor)),
+                    max(4, int(workload.new_tokens / factor)), workload.batch)
+
+
+def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: list[str] | None = None,
+              repeats: int = 3, progress=None) -> list[tuple[Workload, Run]]:
+    """Every (workload, engine) pair; engines that cannot run here (transformers not
+    installed, no twin for this family) are skipped with a progress note."""
+    say = progress or (lambda message: None)
+    eager = Engine(model, tokenizer)
+    compiled = None
+    hf = None
+    results: list[tuple[Workload, Run]] = []
+    for w in workloads:
+        for name in engines or default_engines(w):
+            if w.prompt_tokens + w.new_tokens > model.config.max_position_embeddings:
+                say(f"skip {w.name}/{name}: longer than the context")
+                continue
+            say(f"{w.name}: {name} (P={w.prompt_tokens}, G={w.new_tokens}, batch {w.batch})")
+            if name == "naive":
+                run = run_naive(model, w.prompt_tokens, w.new_tokens, repeats=1)
+            elif name in ("twice", "twice-compiled"):
+                if name == "twice-compiled" and w.batch > 1:
+                    continue  # the compiled path serves batch 1
+                if name == "twice-compiled" and compiled is None:
+                    compiled = Engine(model, tokenizer, compile=True)
+                run = run_twice(compiled if name == "twice-compiled" else eager, w.prompt_tokens, w.new_tokens,
+                                w.batch, repeats)
+            else:
+                if hf is None:
+                    try:
+                        hf = hf_twin(model)
+                    except (ImportError, ValueError) as e:
+                        say(f"skip transformers: {e}")
+                        hf = False
+                if not hf:
+                    continue
+                run = run_transformers(hf, w.prompt_tokens, w.new_tokens, w.batch, repeats,
+                                       static_cache=name == "transformers-static")
+            results.append((w, run))
+    return results

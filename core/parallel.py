@@ -1,0 +1,126 @@
+"""Tensor parallelism over torch.distributed (as gpt-fast's tp.py and Megatron do it).
+
+Each of N ranks holds 1/N of the attention heads (q, k, v by heads; o by its input
+columns) and 1/N of the MLP (gate/up by rows, down by its input columns), and so 1/N of
+the KV cache. Two all-reduces per layer join the partial sums: after the attention's
+output projection and after the MLP's down projection, each before its bias. Norms and
+embeddings are replicated; an untied output head is split by vocabulary rows and its
+logits gathered. Every rank then holds identical logits, so all ranks choose the same
+token when they sample with the same seed.
+
+Launch with torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); the
+backend is NCCL on GPUs and gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import DeviceError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in a tensor-parallel group (rank 0 of 1 = no parallelism)."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup; None = the default group
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def part(self, total: int, what: str) -> tuple[int, int]:
+        """(start, size) of this rank's equal share of `total` items."""
+        if total % self.world:
+            raise UnsupportedModelError(
+                f"{what} ({total}) is not divisible by the tensor-parallel degree {self.world}; "
+                f"use a --tp that divides it"
+            )
+        size = total // self.world
+        return self.rank * size, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dimension (rank order)."""
+        if not self.active:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_int(self, value: int | None) -> int:
+        """Rank 0's value, on every rank (e.g. a random seed all ranks must share)."""
+        if not self.active:
+            return int(value or 0)
+        t = torch.tensor([int(value or 0)], dtype=torch.int64, device=_collective_device(self))
+        dist.broadcast(t, src=0, group=self.group)
+        return int(t.item())
+
+
+SINGLE = Shard()
+
+
+def _collective_device(shard: Shard) -> torch.device:
+    backend = dist.get_backend(shard.group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where torchrun put this process (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    device: str = "auto"
+
+    def tensor_parallel(self, degree: int) -> Shard:
+        if degree == 1:
+            return SINGLE
+        if degree != self.world:
+            raise DeviceError(
+                f"--tp {degree} needs {degree} processes (torchrun --nproc-per-node {degree}); this run has {self.world}"
+            )
+        return Shard(rank=self.rank, world=self.world)
+
+
+def init_from_env(device: str = "auto") -> Launch:
+    """Join the process group torchrun describes; NCCL when this rank gets a GPU, gloo
+    otherwise. Without torchrun: rank 0 of 1, nothing initialized."""
+    if not launched_by_torchrun():
+        return Launch(device=device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda under torchrun, but no CUDA GPU is visible")
+        if local >= torch.cuda.device_count():
+            raise DeviceError(f"local rank {local} has no GPU: this node has {torch.cuda.device_count()}")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    else:
+        device = "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return Launch(rank=rank, world=world, device=device)
+
+
+def finish() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,49 @@
+"""`twice bench` on a tiny shape: runs in seconds and its JSON has every field."""
+
+import json
+
+from clirun import run_inprocess
+
+RUN_FIELDS = {"workload", "engine", "prompt_tokens", "new_tokens", "batch", "ttft_s", "prefill_tokens_per_s",
+              "decode_tokens_per_s", "step_p50_s", "step_p99_s", "peak_memory_bytes", "weight_bytes",
+              "kv_bytes_per_token", "compile_s", "steps_s", "repeats", "bytes_read_per_step",
+              "decode_vs_transformers", "prefill_vs_transformers", "fraction_of_bandwidth"}
+
+
+def test_bench_tiny_shape_json_has_every_field(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "latency.png"
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out),
+            "-w", "decode", "-w", "naive", "-w", "batch4", "-e", "naive", "-e", "twice", "-e", "transformers"]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(plot)]
+    except ImportError:
+        plot = None
+    r = run_inprocess(args, capsys)
+    assert r.code == 0, r.err
+    data = json.loads(out.read_text())
+    assert data["setup"]["model"].startswith("tiny") and data["setup"]["threads"] >= 1
+    assert data["bandwidth"]["read_bytes_per_s"] > 0 and data["bandwidth"]["copy_bytes_per_s"] > 0
+    rows = data["results"]
+    engines = {(row["workload"], row["engine"]) for row in rows}
+    assert {("decode", "twice"), ("decode", "transformers"), ("naive", "naive"), ("naive", "twice"),
+            ("batch4", "twice"), ("batch4", "transformers")} <= engines
+    for row in rows:
+        assert RUN_FIELDS <= set(row), RUN_FIELDS - set(row)
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["ttft_s"] > 0
+        if row["engine"] != "transformers":
+            assert row["decode_vs_transformers"] > 0
+    naive = next(x for x in rows if x["engine"] == "naive")
+    assert len(naive["steps_s"]) == naive["new_tokens"] - 1
+    assert "decode vs hf" in r.out and "twice" in r.out
+    if plot is not None:
+        assert plot.stat().st_size > 1000
+
+
+def test_bench_rejects_unknown_names(capsys):
+    r = run_inprocess(["bench", "--shape", "nope", "--quick"], capsys)
+    assert r.code == 2 and "unknown shape 'nope'" in r.err
+    r = run_inprocess(["bench", "--shape", "tiny", "-w", "everything"], capsys)
+    assert r.code == 2 and "unknown workload 'everything'" in r.err
