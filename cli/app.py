@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
-import typer
+import functools as _functools
+import os as _os
+import signal as _signal
 
-from .errors import DEBUG, run_guarded
+
+# Ctrl-C while the CLI itself is still importing (typer, rich: a few hundred ms) ends the
+# process quietly with 130, like Ctrl-C at any later point, instead of a traceback from
+# the middle of an import. main() installs the real handlers; this one is put back at the
+# end of this module, so importing the CLI inside another program leaves it unchanged.
+def _interrupted_while_starting(signum, frame):  # pragma: no cover - timing dependent
+    _os.write(2, b"\ntwice: interrupted\n")
+    _os._exit(128 + signum)
+
+
+_previous_sigint = None
+try:
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:  # not if ignored (a background job)
+        _previous_sigint = _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+except ValueError:  # not the main thread: leave signals alone
+    pass
+
+import typer  # noqa: E402
+
+from .errors import DEBUG, run_guarded, signals_installed  # noqa: E402
 
 app = typer.Typer(
     name="twice",
@@ -26,8 +47,34 @@ def _register() -> None:
     from . import batch, bench, chat, convert, generate, info  # noqa: F401  (each module adds its command to `app`)
 
 
-_register()
+def _guarded(fn):
+    """The command run inside run_guarded. Typer (in standalone mode) would otherwise turn
+    Ctrl-C into a silent exit and a closed pipe into exit 1 before main() saw them; a
+    SystemExit passes through it unchanged."""
+
+    @_functools.wraps(fn)  # typer reads the wrapped function's signature and annotations
+    def command(*args, **kwargs):
+        run_guarded(lambda: fn(*args, **kwargs))
+
+    command._twice_guarded = True
+    return command
+
+
+def _guard_commands() -> None:
+    for info in app.registered_commands:
+        if info.callback is not None and not getattr(info.callback, "_twice_guarded", False):
+            info.callback = _guarded(info.callback)
+
+
+try:
+    _register()
+    _guard_commands()
+finally:
+    if _previous_sigint is not None:
+        _signal.signal(_signal.SIGINT, _previous_sigint)
 
 
 def main() -> None:
-    run_guarded(lambda: app())
+    """The console entry point: see errors.py for the exit codes and signals."""
+    with signals_installed():
+        run_guarded(lambda: app())

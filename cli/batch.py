@@ -11,9 +11,11 @@ skips the ids already written and appends the rest.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from twice.core.errors import PromptError, TwiceError
 from . import options as o
 from .app import app
 from .console import COLOR, err_console
+from .errors import Terminated
 from .format import human_bytes, seconds
 
 FORMATS = ("txt", "jsonl")
@@ -222,6 +225,7 @@ class OutputState:
     existing: bool = False  # the file is there and was read (--resume): append to it
     keep_bytes: int | None = None  # truncate the file to this length before appending
     dropped_bytes: int = 0
+    identity: tuple | None = None  # (device, inode, size, mtime) of the file that was read
 
 
 def scan_output(data: bytes, name: str) -> OutputState:
@@ -276,7 +280,11 @@ def _starts_like_ours(tail: bytes) -> bool:
 
 
 def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputState]:
-    """Refuse anything that could clobber a file or fail only after the work is done."""
+    """Refuse anything that could clobber a file or fail only after the work is done.
+
+    The output is never reached through a symbolic link: in a shared folder, a link put
+    where our output will be could otherwise point the results (or --resume's truncation
+    of a torn line) at someone else's file."""
     if output in (None, "-"):
         if resume:
             raise PromptError("--resume needs --output FILE.jsonl (there is nothing to resume on standard output)")
@@ -284,6 +292,8 @@ def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputS
     path = Path(output)
     if not path.parent.is_dir():
         raise PromptError(f"{output}: the folder {str(path.parent)!r} does not exist")
+    if path.is_symlink():
+        raise PromptError(f"{output} is a symbolic link; give the file itself (twice never writes through a link)")
     if path.is_dir():
         raise PromptError(f"{output} is a folder; --output takes a file name")
     if not path.exists():
@@ -291,24 +301,48 @@ def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputS
     if not resume:
         raise PromptError(f"{output} already exists; pass --resume to continue it, or choose another --output file")
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
     except OSError as e:
         raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
-    return path, scan_output(data, output)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PromptError(f"{output} is not a regular file; --resume continues a file that twice wrote")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    state = scan_output(data, output)
+    state.identity = (st.st_dev, st.st_ino, len(data), st.st_mtime_ns)
+    return path, state
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class Writer:
-    """One JSON line per result, each with a single write() of the whole line."""
+    """One JSON line per result, each with a single write() of the whole line.
+
+    A new file is created with O_EXCL (never an existing file, never through a link); an
+    existing one (--resume) is opened with O_NOFOLLOW and must still be the very file
+    --resume read. A line that cannot be written whole (disk full, file size limit) is cut
+    back off, so the file never ends in a torn line of this run."""
 
     def __init__(self, path: Path | None, state: OutputState):
         self.path, self.fd = path, None
         if path is None:
             return
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        flags = os.O_WRONLY | os.O_APPEND | _NOFOLLOW
         if not state.existing:
-            flags |= os.O_EXCL  # if someone created it since we looked: refuse, never clobber
+            flags |= os.O_CREAT | os.O_EXCL  # if someone created it since we looked: refuse, never clobber
         try:
             self.fd = os.open(path, flags, 0o644)
+            if state.identity is not None:
+                st = os.fstat(self.fd)
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != state.identity:
+                    raise PromptError(f"{path} changed while twice was starting; run again")
             if state.keep_bytes is not None:
                 os.ftruncate(self.fd, state.keep_bytes)
                 os.fsync(self.fd)
@@ -317,21 +351,38 @@ class Writer:
         except FileExistsError:
             raise PromptError(f"{path} appeared while twice was starting; pass --resume or choose another file") from None
         except OSError as e:
+            self.close()
+            if e.errno == errno.ELOOP:
+                raise PromptError(f"{path} is a symbolic link; give the file itself "
+                                  "(twice never writes through a link)") from None
             raise TwiceError(f"cannot write {path}: {e.strerror or e}") from None
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, obj: dict) -> None:
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
-        try:
-            if self.fd is None:
+        if self.fd is None:
+            try:
                 _write_stdout(data)
-                return
+            except BrokenPipeError:
+                raise
+            except OSError as e:
+                raise TwiceError(f"cannot write standard output: {e.strerror or e}") from None
+            return
+        start = None
+        try:
+            start = os.fstat(self.fd).st_size
             while data:  # a regular file takes the whole line at once; loop only for safety
                 data = data[os.write(self.fd, data):]
             os.fsync(self.fd)
-        except BrokenPipeError:
-            raise
         except OSError as e:
-            raise TwiceError(f"cannot write {self.path or 'standard output'}: {e.strerror or e}") from None
+            if start is not None:
+                try:
+                    os.ftruncate(self.fd, start)  # take back the part of the line that made it
+                except OSError:
+                    pass
+            raise TwiceError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def close(self) -> None:
         if self.fd is not None:
@@ -497,6 +548,7 @@ class Stats:
     kv_allocated: list[int] = field(default_factory=list)
     started: float = 0.0
     wall: float = 0.0
+    oom_retries: int = 0  # batches cut in half because the device ran out of memory
 
 
 def result_line(record: Record, result) -> dict:
@@ -521,33 +573,64 @@ def error_line(record: Record, message: str) -> dict:
     return {"id": record.id, "error": message, "finish_reason": "error"}
 
 
-def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, progress, say) -> None:
+def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, progress, say) -> int:
+    """Run the batches in order, writing each result as its row finishes. When the device
+    runs out of memory mid-batch, the rows that finished are kept and the others are run
+    again in batches half the size (and every later batch at that size too); only a single
+    prompt that does not fit by itself stops the run. Returns the batch size in use at the
+    end."""
     from twice.core.engine import Done, Failed, Notice, PrefillStart, Request, TokenEvent
+    from twice.core.errors import DeviceError
 
     stats.started = time.perf_counter()
-    for batch in batches:
+    pending = [job for batch in batches for job in batch]
+    size = max((len(batch) for batch in batches), default=1)
+    while pending:
+        batch, pending = pending[:size], pending[size:]
         stats.batches += 1
         stats.prompts += len(batch)
+        finished: set[int] = set()
+        tokens = [0] * len(batch)
         # Pass token ids: each prompt was tokenized once already, to sort by length.
         events = engine.generate_batch([Request(ids=j.ids) for j in batch], [j.settings for j in batch])
-        for event in events:
-            if isinstance(event, TokenEvent):
-                stats.generated_tokens += 1
-                progress.tick(stats)
-            elif isinstance(event, Done):
-                _record_done(batch[event.row].record, event.result, writer, stats)
-                progress.advance(stats)
-            elif isinstance(event, Failed):
-                writer.write(error_line(batch[event.row].record, event.message))
-                stats.failed += 1
-                progress.advance(stats)
-            elif isinstance(event, PrefillStart):
-                stats.kv_per_token = event.cache.bytes_per_token
-                stats.kv_allocated.append(event.cache.bytes_allocated)
-            elif isinstance(event, Notice):
-                where = f"id {_show(batch[event.row].record.id)}: " if event.row is not None else ""
-                say(f"note: {where}{event.message}")
+        try:
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    stats.generated_tokens += 1
+                    tokens[event.row] += 1
+                    progress.tick(stats)
+                elif isinstance(event, Done):
+                    _record_done(batch[event.row].record, event.result, writer, stats)
+                    finished.add(event.row)
+                    progress.advance(stats)
+                elif isinstance(event, Failed):
+                    writer.write(error_line(batch[event.row].record, event.message))
+                    stats.failed += 1
+                    finished.add(event.row)
+                    progress.advance(stats)
+                elif isinstance(event, PrefillStart):
+                    stats.kv_per_token = event.cache.bytes_per_token
+                    stats.kv_allocated.append(event.cache.bytes_allocated)
+                elif isinstance(event, Notice):
+                    where = f"id {_show(batch[event.row].record.id)}: " if event.row is not None else ""
+                    say(f"note: {where}{event.message}")
+        except DeviceError as e:
+            if "out of memory" not in str(e):
+                raise
+            left = [i for i in range(len(batch)) if i not in finished]
+            if len(batch) == 1:
+                raise DeviceError(f"{e} (even one prompt at a time: id {_show(batch[0].record.id)})") from None
+            size = max(1, len(batch) // 2)
+            stats.oom_retries += 1
+            stats.prompts -= len(left)
+            stats.generated_tokens -= sum(tokens[i] for i in left)
+            say(f"note: out of memory with {len(batch)} prompts in a batch; running the "
+                f"{_count(len(left), 'unfinished prompt')} again, {size} at a time")
+            pending = [batch[i] for i in left] + pending
+        finally:
+            events.close()
     stats.wall = time.perf_counter() - stats.started
+    return size
 
 
 def _record_done(record: Record, result, writer: Writer, stats: Stats) -> None:
@@ -751,13 +834,22 @@ def _run(loaded, plan: Plan, base) -> None:
              "left by an interrupted run")
     stats = Stats()
     writer = Writer(plan.out_path, plan.state)
+    used = size
     try:
         show_bar = _isatty(sys.stderr) and (plan.out_path is not None or not _isatty(sys.stdout))
         with ProgressBar(len(jobs), show_bar) as progress:
-            run_batches(engine, make_batches(jobs, size), writer, stats, progress, _say)
+            used = run_batches(engine, make_batches(jobs, size), writer, stats, progress, _say)
+    except (KeyboardInterrupt, Terminated, TwiceError):
+        # Said whatever was counted: a signal can land between a line's write and its count.
+        if plan.out_path is not None:
+            _say(f"note: the results so far are in {plan.out_path}; the same command with --resume "
+                 "continues from there")
+        raise
     finally:
         writer.close()
     if plan.timing:
+        if stats.oom_retries:
+            why = f"{why}; cut to {used} after running out of memory"
         err_console().print(summary_table(stats, min(size, len(jobs)), why, loaded))
     _finish(stats, len(errors), plan.already)
 

@@ -421,7 +421,11 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
 
 
 def _refuse_overwrite(path: Path) -> None:
-    """/save replaces an earlier chat file, never some other file the user had there."""
+    """/save replaces an earlier chat file, never some other file the user had there, and
+    never writes through a symbolic link (one placed where the file goes, in a shared
+    folder, is refused here; one placed later is replaced by the rename, not followed)."""
+    if path.is_symlink():
+        raise ValueError("it is a symbolic link; choose another name (twice does not write through links)")
     if path.is_dir():
         raise ValueError("it is a folder")
     if path.exists():

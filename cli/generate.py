@@ -37,6 +37,7 @@ def generate(
     system: o.System = None,
     chat: o.Chat = None,
     prefill_chunk: o.PrefillChunk = None,
+    truncate: o.Truncate = None,
     timing: o.Timing = False,
     compile: o.Compile = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
@@ -45,7 +46,8 @@ def generate(
 ):
     """Generate a continuation of PROMPT (or a reply, in chat mode) and stream it."""
     # Bad settings fail in one line before the model loads; so does a missing prompt.
-    o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                  truncate)
     text = read_prompt(prompt)
 
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
@@ -59,7 +61,9 @@ def generate(
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
-                                      prefill_chunk=prefill_chunk)
+                                      prefill_chunk=prefill_chunk, truncate=truncate)
+        if (note := o.ignored_with_greedy(sampling, top_k, top_p, min_p, seed)) is not None:
+            readout.note(note)
         use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
@@ -117,6 +121,7 @@ def json_payload(result, loaded, settings, chat: bool, system: str | None, compi
             "chat": chat,
             "system": system,
             "prefill_chunk": settings.prefill_chunk,
+            "truncate": settings.truncate,
             "compile": compiled,
             "device": result.device,
             "dtype": result.dtype,

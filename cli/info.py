@@ -24,12 +24,8 @@ def info(
     no_color: o.NoColor = False,
 ):
     """Architecture, size, context length and KV cache cost of a model."""
-    from twice.core.device import DTYPES
-    from twice.core.errors import DeviceError
     from twice.weights.inspect import describe
 
-    if dtype != "auto" and dtype not in DTYPES:
-        raise DeviceError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     facts = describe(model, revision, dtype)
     if as_json:
         print(json.dumps(facts))

@@ -23,6 +23,8 @@ Chat = Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the ch
 PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this many tokens per forward pass.")]
 Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memory report at the end (stderr).")]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colors (also NO_COLOR=1).")]
+Truncate = Annotated[Optional[str], typer.Option(
+    help="left: drop the start of a prompt that does not fit the context (default: refuse it).")]
 Compile = Annotated[bool, typer.Option("--compile", help="Compile the batch-1 decode step with torch.compile "
                                                          "(faster decode; compile time is reported on its own).")]
 
@@ -50,11 +52,22 @@ def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p,
 
 
 def check_flags(max_new_tokens=None, prefill_chunk=None, temperature=None, top_k=None, top_p=None, min_p=None,
-                repetition_penalty=None, seed=None) -> None:
+                repetition_penalty=None, seed=None, truncate=None) -> None:
     """Refuse impossible settings before the model loads (one-line PromptError), with the
     same checks the engine makes later on the merged settings."""
     from twice.core.engine import GenerationSettings
 
     sampling = sampling_params({}, temperature, top_k, top_p, min_p, repetition_penalty, seed)
     GenerationSettings(max_new_tokens=256 if max_new_tokens is None else max_new_tokens, sampling=sampling,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, truncate=truncate)
+
+
+def ignored_with_greedy(sampling, top_k=None, top_p=None, min_p=None, seed=None) -> str | None:
+    """A note when sampling flags were given but decoding is greedy (temperature 0)."""
+    if sampling.temperature != 0:
+        return None
+    given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p), ("--min-p", min_p), ("--seed", seed))
+             if value is not None]
+    if not given:
+        return None
+    return f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with greedy decoding (temperature 0)"

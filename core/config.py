@@ -19,6 +19,7 @@ from .errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MAX_LAYERS = 100_000
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 # transformers' per-family defaults for fields a config.json may leave out.
@@ -192,6 +193,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     vocab_size = _positive_int(d, "vocab_size", source)
     hidden = _positive_int(d, "hidden_size", source)
     layers = _positive_int(d, "num_hidden_layers", source)
+    if layers > MAX_LAYERS:  # checked before anything is built per layer
+        raise ConfigError(f"{source}: num_hidden_layers {layers} is not a plausible layer count (at most {MAX_LAYERS:,})")
     heads = _positive_int(d, "num_attention_heads", source)
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = heads

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .errors import DeviceError
+from .errors import DeviceError, UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -20,14 +20,14 @@ def resolve_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise DeviceError(f"unknown device {name!r}; use auto, cpu or cuda") from None
+        raise UsageError(f"unknown device {name!r}; use auto, cpu or cuda") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"no GPU {device.index}: this machine has {torch.cuda.device_count()}")
     elif device.type != "cpu":
-        raise DeviceError(f"device {name!r} is not supported; use auto, cpu or cuda")
+        raise UsageError(f"device {name!r} is not supported; use auto, cpu or cuda")
     return device
 
 
@@ -36,7 +36,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
-        raise DeviceError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
+        raise UsageError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

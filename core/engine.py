@@ -48,8 +48,11 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     prefill_chunk: int | None = None  # prefill at most this many tokens per forward pass
+    truncate: str | None = None  # "left": drop the start of a prompt that does not fit the context
 
     def __post_init__(self):
+        if self.truncate not in (None, "left"):
+            raise PromptError(f"truncate must be 'left' (or not given), got {self.truncate!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise PromptError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -271,6 +274,10 @@ class Engine:
         reset_peak_memory(self.device)
         ids = self.tokenize(request)
         tokenize_seconds = time.perf_counter() - start
+        ids, dropped = self._truncate(ids, settings)
+        if dropped:
+            yield Notice(f"dropped the first {dropped} prompt tokens to fit the context of {self.context_length} "
+                         f"(--truncate left)")
         max_new = self._check_length(ids, settings)
         reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
         reused = min(reused, len(ids) - 1)  # at least one token must run to produce logits
@@ -311,7 +318,9 @@ class Engine:
         for i, (request, s) in enumerate(zip(requests, settings)):
             t = time.perf_counter()
             try:
-                ids = self.tokenize(request)
+                ids, dropped = self._truncate(self.tokenize(request), s)
+                if dropped:
+                    yield Notice(f"dropped the first {dropped} prompt tokens to fit the context", row=i)
                 max_new = self._check_length(ids, s)
             except TwiceError as e:
                 yield Failed(i, str(e))
@@ -341,6 +350,16 @@ class Engine:
         yield from self._decode(rows, cache, sampler, logits, start, prefill_seconds, track=False, batch_tokens=total)
 
     # -- internals -----------------------------------------------------------------------
+    def _truncate(self, ids: list[int], settings: GenerationSettings) -> tuple[list[int], int]:
+        """With truncate="left", keep the end of a prompt too long for the context, leaving
+        room for the new tokens (at most half the context): (ids, tokens dropped)."""
+        if settings.truncate != "left":
+            return ids, 0
+        keep = self.context_length - min(settings.max_new_tokens, self.context_length // 2)
+        if len(ids) <= keep:
+            return ids, 0
+        return ids[-keep:], len(ids) - keep
+
     def _check_length(self, ids: list[int], settings: GenerationSettings) -> int:
         if not ids:
             raise PromptError("the prompt is empty (it tokenizes to no tokens)")
@@ -384,7 +403,11 @@ class Engine:
         the session cache is dropped, since a failed pass leaves it half written."""
         try:
             yield
-        except (torch.OutOfMemoryError, MemoryError):
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            # On the CPU torch reports a failed allocation as a plain RuntimeError.
+            if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) \
+                    and "can't allocate memory" not in str(e):
+                raise
             if cache is self.cache:
                 self.reset()
             raise DeviceError(

@@ -40,6 +40,10 @@ class PromptError(TwiceError):
     """The prompt or the generation settings cannot be served (empty, too long, contradictory)."""
 
 
+class UsageError(TwiceError):
+    """A command-line value is not one of the accepted ones (an unknown dtype or device name)."""
+
+
 class DeviceError(TwiceError):
     """The requested device or dtype is not available, or the device ran out of memory."""
 

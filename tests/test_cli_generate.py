@@ -24,7 +24,7 @@ TOP_KEYS = {"model", "model_folder", "model_type", "settings", "load_s", "text",
             "prompt_tokens", "reused_tokens", "generated_tokens", "timings", "cache", "peak_memory_bytes",
             "weight_bytes", "device", "dtype", "bandwidth"}
 SETTINGS_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                 "chat", "system", "prefill_chunk", "compile", "device", "dtype"}
+                 "chat", "system", "prefill_chunk", "truncate", "compile", "device", "dtype"}
 TIMING_KEYS = {"load_s", "load_weights_s", "load_tokenizer_s", "tokenize_s", "prefill_s", "ttft_s", "decode_s",
                "prefill_tokens_per_s", "decode_tokens_per_s", "step_s", "step_p50_s", "step_p90_s", "step_p99_s",
                "step_max_s"}
@@ -78,7 +78,7 @@ def test_json_has_model_settings_text_counts_timings_and_cache(capsys, llama):
     assert d["model"] == llama and d["model_type"] == "llama"
     assert d["settings"] == {"max_new_tokens": 7, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
                              "repetition_penalty": 1.1, "seed": 3, "stop": ["never-in-output", "nor this"],
-                             "chat": True, "system": "Be brief.", "prefill_chunk": 4, "compile": False, "device": "cpu",
+                             "chat": True, "system": "Be brief.", "prefill_chunk": 4, "truncate": None, "compile": False, "device": "cpu",
                              "dtype": "float32"}
     assert isinstance(d["text"], str)
     assert all(isinstance(i, int) for i in d["token_ids"])
@@ -111,7 +111,7 @@ def test_defaults_in_json_greedy_and_chat_when_the_model_has_a_template(capsys, 
     d = gen_json(capsys, CHAT_PROMPT, "-m", llama, "-n", "3")
     assert d["settings"] == {"max_new_tokens": 3, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                              "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True, "system": None,
-                             "prefill_chunk": None, "compile": False, "device": "cpu", "dtype": "float32"}
+                             "prefill_chunk": None, "truncate": None, "compile": False, "device": "cpu", "dtype": "float32"}
     assert d["finish_reason"] == "length" and d["generated_tokens"] == 3
 
 
@@ -217,8 +217,8 @@ def test_bad_settings_are_one_line_errors_before_the_model_loads(capsys, tmp_pat
 
 def test_missing_model_and_device_errors_are_one_line(capsys, llama, tmp_path):
     assert "no such folder" in one_line_error(gen(capsys, "Hello", "-m", str(tmp_path / "nope")))
-    assert "unknown dtype" in one_line_error(gen(capsys, "Hello", "-m", llama, "--dtype", "int8"), code=3)
-    message = one_line_error(gen(capsys, "Hello", "-m", llama, "--device", "tpu"), code=3)
+    assert "unknown dtype" in one_line_error(gen(capsys, "Hello", "-m", llama, "--dtype", "int8"), code=2)
+    message = one_line_error(gen(capsys, "Hello", "-m", llama, "--device", "tpu"), code=2)
     assert "device" in message and "tpu" in message
 
 
@@ -527,3 +527,21 @@ def test_stdout_piped_stderr_terminal_status_on_stderr_then_gone(llama, piped, t
     assert out.read_text(encoding="utf-8") == d["text"] + "\n"
     assert "decode" in data
     assert emulate(data, 120) == []  # the terminal (stderr) is left empty
+
+
+def test_truncate_left_keeps_the_end_of_a_long_prompt(capsys, llama):
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 60  # far beyond the 256-token context
+    r = gen(capsys, long_prompt, "-m", llama, "--raw", "-n", "8")
+    assert r.code == 2 and "too many" in r.err
+    r = gen(capsys, long_prompt, "-m", llama, "--raw", "-n", "8", "--truncate", "left", "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    assert data["prompt_tokens"] == 256 - 8 and data["generated_tokens"] == 8
+    assert "dropped the first" in r.err and "--truncate left" in r.err
+    r = gen(capsys, "Hi", "-m", llama, "--truncate", "right")
+    assert r.code == 2 and "truncate must be 'left'" in r.err
+
+
+def test_sampling_flags_with_greedy_get_a_note(capsys, llama):
+    r = gen(capsys, "Hi", "-m", llama, "--raw", "-n", "2", "--temperature", "0", "--top-k", "5")
+    assert r.code == 0 and "--top-k has no effect with greedy decoding" in r.err

