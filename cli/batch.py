@@ -11,11 +11,6 @@ skips the ids already written and appends the rest.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import json
-import math
-import os
-import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,419 +23,16 @@ from twice.core.errors import PromptError, TwiceError
 
 from . import options as o
 from .app import app
+from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
+from .batch_output import NullWriter, OutputState, Writer, check_output
 from .console import COLOR, err_console
+from .distributed import all_ok, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
 from .format import human_bytes, seconds
 
-FORMATS = ("txt", "jsonl")
-LINE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-KNOWN_KEYS = frozenset(("id", "prompt", "messages", *LINE_OPTIONS))
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MEMORY_SHARE = 0.25  # of available memory, for the KV cache of one batch
 FALLBACK_BATCH_SIZE = 8  # when available memory cannot be read
-OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
-
-
-# -- input parsing (pure: text in, records and per-line errors out) ---------------------
-@dataclass(frozen=True)
-class Record:
-    line: int  # 1-based line number in the input
-    id: str | int
-    prompt: str | None = None
-    messages: list | None = None
-    options: dict = field(default_factory=dict)  # per-line settings, already type-checked
-    unknown_keys: tuple[str, ...] = ()
-
-    @property
-    def key(self) -> str:
-        # Ids compare as text: 7 and "7" are the same prompt (and the same line on --resume).
-        return str(self.id)
-
-
-@dataclass(frozen=True)
-class LineError:
-    line: int
-    message: str
-
-
-class _BadLine(Exception):
-    pass
-
-
-def sniff_format(text: str) -> str:
-    """jsonl when the first non-blank line starts with '{', else txt."""
-    for line in text.split("\n"):
-        if line.strip():
-            return "jsonl" if line.lstrip().startswith("{") else "txt"
-    return "txt"
-
-
-def parse_input(text: str, fmt: str) -> tuple[list[Record], list[LineError]]:
-    """Parse a whole input (txt or jsonl) into records and per-line errors. Blank lines are
-    skipped; a repeated id is an error on the later line."""
-    if fmt not in FORMATS:
-        raise ValueError(fmt)
-    parse = _parse_txt if fmt == "txt" else _parse_jsonl
-    records: list[Record] = []
-    errors: list[LineError] = []
-    first_seen: dict[str, int] = {}
-    for number, line in enumerate(_lines(text), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = parse(number, line)
-        except _BadLine as e:
-            errors.append(LineError(number, str(e)))
-            continue
-        if record.key in first_seen:
-            errors.append(LineError(number, f"duplicate id {_show(record.id)} (first on line {first_seen[record.key]}); skipped"))
-            continue
-        first_seen[record.key] = number
-        records.append(record)
-    return records, errors
-
-
-def _lines(text: str) -> list[str]:
-    # Split on \n only: str.splitlines would also split on U+2028 and friends, which JSON
-    # strings may hold raw, and line numbers would no longer match an editor's.
-    if text.startswith("\ufeff"):  # a byte-order mark some editors write
-        text = text[1:]
-    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
-
-
-def _parse_txt(number: int, line: str) -> Record:
-    return Record(number, str(number), prompt=_text(line, "the prompt"))
-
-
-def _parse_jsonl(number: int, line: str) -> Record:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise _BadLine(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    except (ValueError, RecursionError) as e:  # huge integers, absurd nesting
-        raise _BadLine(f"invalid JSON ({type(e).__name__})") from None
-    if not isinstance(obj, dict):
-        raise _BadLine(f"expected a JSON object, got {_kind(obj)}")
-    record_id = _record_id(obj)
-    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
-    if has_prompt == has_messages:
-        raise _BadLine('give either "prompt" (a string) or "messages" (a list), not both' if has_prompt
-                       else 'missing "prompt" (a string) or "messages" (a list of {role, content})')
-    options = {k: _option(k, obj[k]) for k in LINE_OPTIONS if obj.get(k) is not None}
-    unknown = tuple(sorted(k for k in obj if k not in KNOWN_KEYS))
-    if has_prompt:
-        prompt = _text(obj["prompt"], '"prompt"')
-        if not prompt.strip():
-            raise _BadLine('"prompt" is empty')
-        return Record(number, record_id, prompt=prompt, options=options, unknown_keys=unknown)
-    return Record(number, record_id, messages=_messages(obj["messages"]), options=options, unknown_keys=unknown)
-
-
-def _record_id(obj: dict) -> str | int:
-    if "id" not in obj:
-        raise _BadLine('missing "id" (a string or an integer)')
-    value = obj["id"]
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _BadLine(f'"id" must be a string or an integer, got {_kind(value)}')
-    if isinstance(value, str) and not _text(value, '"id"').strip():
-        raise _BadLine('"id" is empty')
-    return value
-
-
-def _messages(value) -> list:
-    if not isinstance(value, list) or not value:
-        raise _BadLine(f'"messages" must be a non-empty list of {{role, content}} objects, got {_kind(value)}')
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise _BadLine(f'"messages"[{i}] must be an object, got {_kind(message)}')
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise _BadLine(f'"messages"[{i}].{key} must be a string, got {_kind(message.get(key))}')
-            _text(message[key], f'"messages"[{i}].{key}')
-    return value
-
-
-def _option(key: str, value):
-    """Check one per-line setting's type and range; return it in the form the engine takes."""
-    if key == "stop":
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _BadLine(f'"stop" must be a string or a list of strings, got {_kind(value)}')
-        return tuple(_text(s, '"stop"') for s in stops)
-    if key in ("temperature", "top_p"):
-        number = _float(key, value)
-        if key == "temperature" and number < 0:
-            raise _BadLine(f'"temperature" must be >= 0 (0 = greedy), got {number}')
-        if key == "top_p" and not 0 < number <= 1:
-            raise _BadLine(f'"top_p" must be in (0, 1], got {number}')
-        return number
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _BadLine(f'"{key}" must be an integer, got {_kind(value)}')
-    low, high = {"max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, 2**63 - 1)}[key]
-    if value < low or (high is not None and value > high):
-        limit = f">= {low}" if high is None else f"in [{low}, 2^63)"
-        raise _BadLine(f'"{key}" must be {limit}, got {_show(value)}')
-    return value
-
-
-def _float(key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _BadLine(f'"{key}" must be a number, got {_kind(value)}')
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise _BadLine(f'"{key}" must be a finite number')
-    return number
-
-
-def _text(value, what: str) -> str:
-    if not isinstance(value, str):
-        raise _BadLine(f"{what} must be a string, got {_kind(value)}")
-    try:
-        value.encode("utf-8")  # JSON's \ud800 escapes decode to lone surrogates, which cannot be written back
-    except UnicodeEncodeError:
-        raise _BadLine(f"{what} holds an unpaired surrogate (an invalid \\uD800-\\uDFFF escape)") from None
-    return value
-
-
-def _kind(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _show(value) -> str:
-    shown = json.dumps(value, ensure_ascii=True)  # quoted, escaped: always one line
-    return shown if len(shown) <= 60 else shown[:57] + "..."
-
-
-# -- the output file and --resume -------------------------------------------------------
-@dataclass
-class OutputState:
-    """What --resume found in an existing output: the ids already there, and where a
-    damaged tail (a torn last write) starts, if there is one."""
-
-    done: set[str] = field(default_factory=set)
-    existing: bool = False  # the file is there and was read (--resume): append to it
-    keep_bytes: int | None = None  # truncate the file to this length before appending
-    dropped_bytes: int = 0
-    identity: tuple | None = None  # (device, inode, size, mtime) of the file that was read
-
-
-def scan_output(data: bytes, name: str) -> OutputState:
-    """Read an earlier run's output. A last line without its newline, or a last line that
-    is not JSON at all, is a torn write and is dropped; any other line must be one of ours,
-    so that a user's unrelated file is refused rather than cut."""
-    state = OutputState(existing=True)
-    end = data.rfind(b"\n") + 1  # end of the last complete line
-    lines = data[:end].split(b"\n")[:-1]
-    keep = end
-    if lines and not _is_json(lines[-1]):
-        keep -= len(lines[-1]) + 1
-        lines.pop()
-    for number, raw in enumerate(lines, start=1):
-        if (obj := _our_line(raw)) is None:
-            raise TwiceError(f"{name}:{number}: not a line of ours, so {name} is not a twice batch output; "
-                             "choose another --output file")
-        state.done.add(str(obj["id"]))
-    torn = data[keep:]
-    if torn:
-        # Our writer ends each line in the same write(): a complete JSON value without
-        # its newline, or a first line that does not begin like ours, was not torn from us.
-        tail = data[end:]
-        if (tail and _is_json(tail) and _our_line(tail) is None) or (not lines and not _starts_like_ours(torn)):
-            raise TwiceError(f"{name} is not a twice batch output (its last line is not one of ours); "
-                             "choose another --output file")
-        state.keep_bytes, state.dropped_bytes = keep, len(torn)
-    return state
-
-
-def _our_line(raw: bytes) -> dict | None:
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("finish_reason"), str):
-        return None
-    value = obj.get("id")
-    return obj if isinstance(value, (str, int)) and not isinstance(value, bool) else None
-
-
-def _is_json(raw: bytes) -> bool:
-    try:
-        json.loads(raw.decode("utf-8"))
-        return True
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-
-
-def _starts_like_ours(tail: bytes) -> bool:
-    return tail.startswith(OUR_PREFIX) or OUR_PREFIX.startswith(tail)
-
-
-def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputState]:
-    """Refuse anything that could clobber a file or fail only after the work is done.
-
-    The output is never reached through a symbolic link: in a shared folder, a link put
-    where our output will be could otherwise point the results (or --resume's truncation
-    of a torn line) at someone else's file."""
-    if output in (None, "-"):
-        if resume:
-            raise PromptError("--resume needs --output FILE.jsonl (there is nothing to resume on standard output)")
-        return None, OutputState()
-    path = Path(output)
-    if not path.parent.is_dir():
-        raise PromptError(f"{output}: the folder {str(path.parent)!r} does not exist")
-    if path.is_symlink():
-        raise PromptError(f"{output} is a symbolic link; give the file itself (twice never writes through a link)")
-    if path.is_dir():
-        raise PromptError(f"{output} is a folder; --output takes a file name")
-    if not path.exists():
-        return path, OutputState()
-    if not resume:
-        raise PromptError(f"{output} already exists; pass --resume to continue it, or choose another --output file")
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
-    except OSError as e:
-        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PromptError(f"{output} is not a regular file; --resume continues a file that twice wrote")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-    state = scan_output(data, output)
-    state.identity = (st.st_dev, st.st_ino, len(data), st.st_mtime_ns)
-    return path, state
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-class Writer:
-    """One JSON line per result, each with a single write() of the whole line.
-
-    A new file is created with O_EXCL (never an existing file, never through a link); an
-    existing one (--resume) is opened with O_NOFOLLOW and must still be the very file
-    --resume read. A line that cannot be written whole (disk full, file size limit) is cut
-    back off, so the file never ends in a torn line of this run."""
-
-    def __init__(self, path: Path | None, state: OutputState):
-        self.path, self.fd = path, None
-        if path is None:
-            return
-        flags = os.O_WRONLY | os.O_APPEND | _NOFOLLOW
-        if not state.existing:
-            flags |= os.O_CREAT | os.O_EXCL  # if someone created it since we looked: refuse, never clobber
-        try:
-            self.fd = os.open(path, flags, 0o644)
-            if state.identity is not None:
-                st = os.fstat(self.fd)
-                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != state.identity:
-                    raise PromptError(f"{path} changed while twice was starting; run again")
-            if state.keep_bytes is not None:
-                os.ftruncate(self.fd, state.keep_bytes)
-                os.fsync(self.fd)
-            elif not state.existing:
-                _sync_folder(path.parent)  # so that a crash cannot lose the new file's name
-        except FileExistsError:
-            raise PromptError(f"{path} appeared while twice was starting; pass --resume or choose another file") from None
-        except OSError as e:
-            self.close()
-            if e.errno == errno.ELOOP:
-                raise PromptError(f"{path} is a symbolic link; give the file itself "
-                                  "(twice never writes through a link)") from None
-            raise TwiceError(f"cannot write {path}: {e.strerror or e}") from None
-        except BaseException:
-            self.close()
-            raise
-
-    def write(self, obj: dict) -> None:
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
-        if self.fd is None:
-            try:
-                _write_stdout(data)
-            except BrokenPipeError:
-                raise
-            except OSError as e:
-                raise TwiceError(f"cannot write standard output: {e.strerror or e}") from None
-            return
-        start = None
-        try:
-            start = os.fstat(self.fd).st_size
-            while data:  # a regular file takes the whole line at once; loop only for safety
-                data = data[os.write(self.fd, data):]
-            os.fsync(self.fd)
-        except OSError as e:
-            if start is not None:
-                try:
-                    os.ftruncate(self.fd, start)  # take back the part of the line that made it
-                except OSError:
-                    pass
-            raise TwiceError(f"cannot write {self.path}: {e.strerror or e}") from None
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _sync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not every system lets a folder be opened; the lines are still synced
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_stdout(data: bytes) -> None:
-    out = sys.stdout
-    buffer = getattr(out, "buffer", None)
-    if buffer is None:  # a replaced text stream
-        out.write(data.decode("utf-8"))
-    else:  # bytes: JSON lines are UTF-8 whatever the locale says
-        out.flush()
-        buffer.write(data)
-        buffer.flush()
-    out.flush()
-
-
-# -- reading the input ------------------------------------------------------------------
-def read_input(source: str, fmt: str | None) -> tuple[str, str, str]:
-    """Return (name for messages, text, format)."""
-    if source == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise PromptError("no input: give a .txt or .jsonl file, or pipe prompts in (twice batch - < prompts.jsonl)")
-        name, data = "<stdin>", sys.stdin.buffer.read()
-    else:
-        name = source
-        try:
-            data = Path(source).read_bytes()
-        except FileNotFoundError:
-            raise PromptError(f"{source}: no such file") from None
-        except IsADirectoryError:
-            raise PromptError(f"{source} is a folder; give a .txt or .jsonl file") from None
-        except OSError as e:
-            raise PromptError(f"cannot read {source}: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise PromptError(f"{name}:{line}: not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
-    if fmt is None:
-        suffix = Path(source).suffix.lower() if source != "-" else ""
-        fmt = {".txt": "txt", ".jsonl": "jsonl"}.get(suffix) or sniff_format(text)
-    return name, text, fmt
 
 
 # -- planning: settings, tokens, batch size ---------------------------------------------
@@ -612,14 +204,14 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
                     stats.kv_per_token = event.cache.bytes_per_token
                     stats.kv_allocated.append(event.cache.bytes_allocated)
                 elif isinstance(event, Notice):
-                    where = f"id {_show(batch[event.row].record.id)}: " if event.row is not None else ""
+                    where = f"id {show_value(batch[event.row].record.id)}: " if event.row is not None else ""
                     say(f"note: {where}{event.message}")
         except DeviceError as e:
             if "out of memory" not in str(e):
                 raise
             left = [i for i in range(len(batch)) if i not in finished]
             if len(batch) == 1:
-                raise DeviceError(f"{e} (even one prompt at a time: id {_show(batch[0].record.id)})") from None
+                raise DeviceError(f"{e} (even one prompt at a time: id {show_value(batch[0].record.id)})") from None
             size = max(1, len(batch) // 2)
             stats.oom_retries += 1
             stats.prompts -= len(left)
@@ -728,6 +320,7 @@ class Plan:
     timing: bool
     system: str | None
     use_chat: bool = False
+    quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
 
 
 # -- the command ------------------------------------------------------------------------
@@ -781,47 +374,93 @@ def batch(
     system: o.System = None,
     chat: o.Chat = None,
     prefill_chunk: o.PrefillChunk = None,
+    tp: o.TensorParallel = 1,
     timing: o.Timing = False,
     no_color: o.NoColor = False,
 ):
-    from twice.weights.load import load
-
     if no_color:
         COLOR["on"] = False
     if batch_size is not None and batch_size < 1:
         raise PromptError(f"--batch-size must be at least 1, got {batch_size}")
     if input_format is not None and input_format not in FORMATS:
         raise PromptError(f"--format must be txt or jsonl, got {input_format!r}")
+    launch, shard = start(device, tp)
+    data_parallel = launch.world > 1 and not shard.active
+    try:
+        failure, merge = None, None
+        try:
+            merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
+                                        input_format, model, revision, device, dtype, chat, system, timing,
+                                        (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                         stop, prefill_chunk))
+        except TwiceError as e:
+            if not data_parallel:
+                raise
+            failure = e  # told to every rank below, so that none waits for it forever
+        if data_parallel:
+            failures = all_ok(launch, failure)
+            if failures:
+                raise TwiceError("; ".join(failures) + " (the parts written so far stay beside the output: "
+                                 "the same command with --resume continues)")
+            if launch.rank == 0 and merge is not None:
+                final_path, records = merge
+                lines = merge_parts(final_path, records, launch.world)
+                _say(f"merged the parts of {launch.world} ranks into {final_path} ({_count(lines, 'line')})")
+    finally:
+        finish(launch)
+
+
+def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
+                        model, revision, device, dtype, chat, system, timing, settings):
+    """Everything one process does; in data-parallel mode, its share into its part file.
+    Returns (output path, all records) for the merge when there is one."""
+    from twice.weights.load import load
+
+    if data_parallel and output in (None, "-"):
+        raise PromptError("twice batch under torchrun without --tp splits the prompts across ranks and "
+                          "needs --output FILE.jsonl (each rank writes a part, rank 0 merges them)")
     out_path, state = check_output(output, resume)
     name, text, fmt = read_input(input, input_format)
     records, errors = parse_input(text, fmt)
-    _report_lines(name, errors, records)
+    if launch.rank == 0:
+        _report_lines(name, errors, records)
     if strict and errors:
         raise PromptError(f"{_count(len(errors), 'bad line')} in {name}; nothing was run (--strict)")
-    todo = [r for r in records if r.key not in state.done]
     if not records and not errors:
         raise PromptError(f"{name} holds no prompts")
-    if records and not todo:
-        _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
-        return
-    if not todo:
+    if not records:
         raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {name} are bad")
-
-    plan = Plan(name, todo, errors, state, out_path, already=len(records) - len(todo), strict=strict,
+    mine, done, merge = records, state.done, None
+    if data_parallel:  # this rank's share goes to its own part file
+        merge = (out_path, records)
+        mine = my_share(records, launch.rank, launch.world)
+        final_done = state.done
+        out_path, state = check_output(str(part_path(out_path, launch.rank, launch.world)), resume)
+        done = final_done | state.done
+    todo = [r for r in mine if r.key not in done]
+    if not todo:
+        if not data_parallel:
+            _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
+        return merge
+    plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
                 batch_size=batch_size, timing=timing, system=system)
-    loaded = _load(load, model, revision, device, dtype)
+    if shard.active and launch.rank != 0:
+        plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
+    loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard)
     plan.use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
-    base = _base_settings(loaded, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                          prefill_chunk)
+    base = _base_settings(loaded, *settings)
     _run(loaded, plan, base)
+    return merge
 
 
 def _run(loaded, plan: Plan, base) -> None:
     from twice.core.engine import Engine
 
+    say = _quiet if plan.quiet else _say
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
     jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)
-    _report_lines(plan.name, token_errors, [])
+    if not plan.quiet:
+        _report_lines(plan.name, token_errors, [])
     errors = plan.errors + token_errors
     if plan.strict and token_errors:
         raise PromptError(f"{_count(len(token_errors), 'prompt')} of {plan.name} cannot be tokenized; "
@@ -830,28 +469,34 @@ def _run(loaded, plan: Plan, base) -> None:
         raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {plan.name} are bad")
     size, why = (plan.batch_size, "--batch-size") if plan.batch_size else _auto_size(engine, jobs, loaded.device)
     if plan.state.keep_bytes is not None:
-        _say(f"note: {plan.out_path}: dropped an incomplete last line ({_count(plan.state.dropped_bytes, 'byte')}) "
-             "left by an interrupted run")
+        say(f"note: {plan.out_path}: dropped an incomplete last line ({_count(plan.state.dropped_bytes, 'byte')}) "
+            "left by an interrupted run")
     stats = Stats()
-    writer = Writer(plan.out_path, plan.state)
+    writer = NullWriter() if plan.quiet else Writer(plan.out_path, plan.state)
     used = size
     try:
-        show_bar = _isatty(sys.stderr) and (plan.out_path is not None or not _isatty(sys.stdout))
+        show_bar = not plan.quiet and _isatty(sys.stderr) and (plan.out_path is not None or not _isatty(sys.stdout))
         with ProgressBar(len(jobs), show_bar) as progress:
-            used = run_batches(engine, make_batches(jobs, size), writer, stats, progress, _say)
+            used = run_batches(engine, make_batches(jobs, size), writer, stats, progress, say)
     except (KeyboardInterrupt, Terminated, TwiceError):
         # Said whatever was counted: a signal can land between a line's write and its count.
         if plan.out_path is not None:
-            _say(f"note: the results so far are in {plan.out_path}; the same command with --resume "
-                 "continues from there")
+            say(f"note: the results so far are in {plan.out_path}; the same command with --resume "
+                "continues from there")
         raise
     finally:
         writer.close()
+    if plan.quiet:
+        return
     if plan.timing:
         if stats.oom_retries:
             why = f"{why}; cut to {used} after running out of memory"
         err_console().print(summary_table(stats, min(size, len(jobs)), why, loaded))
     _finish(stats, len(errors), plan.already)
+
+
+def _quiet(message: str) -> None:
+    """What a tensor-parallel rank other than 0 says: nothing (rank 0 says it)."""
 
 
 def _finish(stats: Stats, bad_lines: int, already: int) -> None:
@@ -887,12 +532,12 @@ def _auto_size(engine, jobs: list[Job], device) -> tuple[int, str]:
                   f"{MEMORY_SHARE:.0%} of {human_bytes(available)} available")
 
 
-def _load(load, model, revision, device, dtype):
+def _load(load, model, revision, device, dtype, shard):
     err = err_console()
     if not _isatty(sys.stderr):
-        return load(model, revision, device, dtype)
+        return load(model, revision, device, dtype, shard=shard)
     with err.status("loading the model") as status:
-        return load(model, revision, device, dtype, progress=lambda msg: status.update(f"loading: {msg}"))
+        return load(model, revision, device, dtype, progress=lambda msg: status.update(f"loading: {msg}"), shard=shard)
 
 
 def _report_lines(name: str, errors: list[LineError], records: list[Record]) -> None:
@@ -903,7 +548,7 @@ def _report_lines(name: str, errors: list[LineError], records: list[Record]) -> 
         for key in r.unknown_keys:
             unused.setdefault(key, r.line)
     for key, line in unused.items():  # once per key, not per line: a typo shows up without flooding
-        _say(f"note: {name}:{line}: key {_show(key)} is not used (known: {', '.join(sorted(KNOWN_KEYS))})")
+        _say(f"note: {name}:{line}: key {show_value(key)} is not used (known: {', '.join(sorted(KNOWN_KEYS))})")
 
 
 def _say(message: str) -> None:

@@ -12,9 +12,7 @@ replies; prompts' help, notes, errors and the per-turn summary go to stderr.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -23,14 +21,12 @@ from rich.text import Text
 
 from . import options as o
 from .app import app
+from .chat_input import BLOCK, TerminalReader, make_reader
 from .console import COLOR, err_console
+from .format import os_message
+from .conversation_file import SAVE_VERSION, read_conversation, refuse_overwrite, write_atomic
 from .readout import Readout
 
-PROMPT = ">>> "
-CONTINUATION = "... "
-BLOCK = '"""'
-SAVE_VERSION = 1
-ROLES = ("user", "assistant")
 
 HELP = f"""\
 Type a message and press Enter to send it.
@@ -98,7 +94,7 @@ def chat(
                                   prefill_chunk=prefill_chunk)
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids)
     session = ChatSession(loaded, engine, settings, system, timing)
-    reader = _make_reader(history)
+    reader = make_reader(history)
     session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · /help for commands",
                 "dim")
     session.run(reader)
@@ -326,10 +322,10 @@ class ChatSession:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
                 "messages": self.messages}
         try:
-            _refuse_overwrite(path)
-            _write_atomic(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+            refuse_overwrite(path)
+            write_atomic(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
         except (OSError, ValueError) as e:
-            self.error(f"cannot save to {path}: {_os_message(e)}")
+            self.error(f"cannot save to {path}: {os_message(e)}")
             return
         self.say(f"saved {len(self.messages)} messages to {path}", "dim")
 
@@ -341,7 +337,7 @@ class ChatSession:
         try:
             system, messages, model = read_conversation(path)
         except (OSError, ValueError) as e:
-            self.error(f"cannot load {path}: {_os_message(e)} (the current conversation is unchanged)")
+            self.error(f"cannot load {path}: {os_message(e)} (the current conversation is unchanged)")
             return
         self.system, self.messages, self.last_result = system, messages, None
         note = ""
@@ -378,232 +374,7 @@ def _summary(result) -> str:
     return " · ".join(parts)
 
 
-def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
-    """Read and check a file written by /save; ValueError names the first problem."""
-    try:
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise ValueError("it is a folder") from None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError("not a twice chat file (expected a JSON object)")
-    if data.get("version") != SAVE_VERSION:
-        raise ValueError(f"unsupported version {data.get('version')!r} (expected {SAVE_VERSION})")
-    system = data.get("system")
-    if system is not None and not isinstance(system, str):
-        raise ValueError("'system' must be a string or null")
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ValueError("'model' must be a string or null")
-    messages = data.get("messages")
-    if not isinstance(messages, list):
-        raise ValueError("'messages' must be a list")
-    checked = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object with role and content")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}].role must be 'user' or 'assistant', got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
-        if "cut" in m and not isinstance(m["cut"], bool):
-            raise ValueError(f"messages[{i}].cut must be true or false")
-        entry = {"role": m["role"], "content": m["content"]}
-        if m.get("cut"):
-            entry["cut"] = True
-        checked.append(entry)
-    return system or None, checked, model
-
-
-def _refuse_overwrite(path: Path) -> None:
-    """/save replaces an earlier chat file, never some other file the user had there, and
-    never writes through a symbolic link (one placed where the file goes, in a shared
-    folder, is refused here; one placed later is replaced by the rename, not followed)."""
-    if path.is_symlink():
-        raise ValueError("it is a symbolic link; choose another name (twice does not write through links)")
-    if path.is_dir():
-        raise ValueError("it is a folder")
-    if path.exists():
-        try:
-            read_conversation(path)
-        except (OSError, ValueError):
-            raise ValueError("the file exists and is not a twice chat file; choose another name") from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A temporary file in the same folder, then os.replace: the destination is either the
-    # old file or the complete new one, never a half-written mix.
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _unquote(arg: str) -> str:
     if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "'\"":
         return arg[1:-1]
     return arg
-
-
-def _os_message(e: Exception) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e)
-
-
-# -- multi-line input ------------------------------------------------------------------------
-def block_open(text: str) -> bool:
-    """True while a \"\"\" block has been opened and not yet closed."""
-    s = text.lstrip()
-    if not s.startswith(BLOCK):
-        return False
-    return not s[len(BLOCK):].rstrip().endswith(BLOCK)
-
-
-def finish_input(text: str) -> str:
-    """The message an input stands for: the inside of a \"\"\" block, else the text as typed."""
-    s = text.strip()
-    if s.startswith(BLOCK) and len(s) >= 2 * len(BLOCK) and s.endswith(BLOCK):
-        body = s[len(BLOCK):-len(BLOCK)]
-        body = body[1:] if body.startswith("\n") else body
-        body = body[:-1] if body.endswith("\n") else body
-        # A block is always a message: escape a leading slash the way a user would (//).
-        return "/" + body if body.startswith("/") else body
-    return text
-
-
-class TerminalReader:
-    """prompt-toolkit: line editing, history, Enter sends, Esc-Enter inserts a newline."""
-
-    def __init__(self, history_path: Path | None):
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
-        from prompt_toolkit.key_binding import KeyBindings
-
-        history = InMemoryHistory()
-        if history_path is not None:
-            try:
-                history_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(history_path, "ab"):  # fail now, not in prompt-toolkit's background thread
-                    pass
-                history = FileHistory(str(history_path))
-            except OSError as e:
-                err_console().print(Text(f"note: input history not kept: {history_path}: {_os_message(e)}",
-                                         style="yellow"), soft_wrap=True)
-
-        kb = KeyBindings()
-
-        @kb.add("enter")
-        def _enter(event):
-            buf = event.current_buffer
-            if block_open(buf.text):
-                buf.insert_text("\n")
-            elif buf.text.endswith("\\"):
-                buf.cursor_position = len(buf.text)
-                buf.delete_before_cursor(1)
-                buf.insert_text("\n")
-            else:
-                buf.validate_and_handle()
-
-        @kb.add("escape", "enter")
-        def _newline(event):
-            event.current_buffer.insert_text("\n")
-
-        output = None
-        if not sys.stdout.isatty():  # `twice chat > replies.txt`: keep the prompt off the replies
-            from prompt_toolkit.output import create_output
-
-            output = create_output(stdout=sys.stderr)
-        self.session = PromptSession(history=history, key_bindings=kb, multiline=True, output=output,
-                                     prompt_continuation=lambda width, line, wrap: CONTINUATION.rjust(width))
-
-    def read(self) -> str | None:
-        try:
-            text = self.session.prompt(PROMPT)
-        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line
-            return None
-        return finish_input(text)
-
-
-class PlainReader:
-    """Standard input that is not a terminal: one message per line, with the same
-    continuation rules (trailing backslash, \"\"\" blocks), and no prompt."""
-
-    def __init__(self, stream=None, prompt: bool = False):
-        self.stream = stream or sys.stdin
-        self.prompt = prompt  # a terminal without prompt-toolkit still needs to see where to type
-        self.line_number = 0
-
-    def _line(self, prompt: str = PROMPT) -> str:
-        if self.prompt:
-            sys.stderr.write(prompt)
-            sys.stderr.flush()
-        buffer = getattr(self.stream, "buffer", None)
-        raw = buffer.readline() if buffer is not None else self.stream.readline()
-        if not raw:
-            raise EOFError
-        self.line_number += 1
-        if isinstance(raw, bytes):
-            try:
-                raw = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"line {self.line_number} of standard input is not valid UTF-8 "
-                                 f"(byte {e.start})") from None
-        return raw[:-1] if raw.endswith("\n") else raw
-
-    def read(self) -> str | None:
-        try:
-            text = self._line()
-            while True:
-                if block_open(text):
-                    try:
-                        text += "\n" + self._line(CONTINUATION)
-                    except EOFError:
-                        err_console().print(Text(f"error: standard input ended inside a {BLOCK} block; "
-                                                 "that block was not sent", style="red"), soft_wrap=True)
-                        raise
-                elif text.endswith("\\"):
-                    try:
-                        text = text[:-1] + "\n" + self._line(CONTINUATION)
-                    except EOFError:
-                        return text[:-1]
-                else:
-                    return finish_input(text)
-        except ValueError as e:
-            err_console().print(Text(f"error: {e}; skipped", style="red"), soft_wrap=True)
-            return None
-        except KeyboardInterrupt:
-            if not self.prompt:  # piped input cannot be retyped: Ctrl-C means stop
-                raise
-            sys.stderr.write("\n")  # on a terminal, Ctrl-C drops the line being typed
-            return None
-
-
-def _make_reader(history: Path | None):
-    if sys.stdin is None or not sys.stdin.isatty():
-        return PlainReader()
-    try:
-        import prompt_toolkit  # noqa: F401
-    except ImportError:
-        err_console().print(Text("note: prompt-toolkit is not installed: no line editing or history "
-                                 "(pip install prompt-toolkit)", style="yellow"), soft_wrap=True)
-        return PlainReader(prompt=True)
-    if history is None:
-        from twice.weights.paths import cache_dir
-
-        history = cache_dir() / "chat_history"
-    return TerminalReader(history.expanduser())

@@ -43,3 +43,10 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, -(-len(ordered) * q // 100))
     return ordered[int(min(rank, len(ordered))) - 1]
+
+
+def os_message(e: Exception) -> str:
+    """An OSError as people read it ("No space left on device"), else the error's text."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)

@@ -13,6 +13,8 @@ import sys
 
 import typer
 
+from twice.core.errors import PromptError
+
 from . import options as o
 from .app import app
 from .prompt_input import read_prompt
@@ -38,6 +40,7 @@ def generate(
     chat: o.Chat = None,
     prefill_chunk: o.PrefillChunk = None,
     truncate: o.Truncate = None,
+    tp: o.TensorParallel = 1,
     timing: o.Timing = False,
     compile: o.Compile = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
@@ -50,42 +53,66 @@ def generate(
                   truncate)
     text = read_prompt(prompt)
 
+    from .distributed import finish, start
+
+    launch, shard = start(device, tp)
+    try:
+        if launch.world > 1 and not shard.active:
+            raise PromptError(f"twice generate under torchrun needs --tp {launch.world} (one model sharded over "
+                              "the processes); to spread many prompts over processes, use twice batch")
+        _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
+                  temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
+                  truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0)
+    finally:
+        finish(launch)
+
+
+def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
+              repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
+              no_color, shard, quiet: bool) -> None:
+    """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
     from twice.weights.load import load
 
+    shard.stats.synchronize = timing
     where = ", ".join(f"{k} {v}" for k, v in (("device", device), ("dtype", dtype)) if v != "auto")
     loading = f"{model or 'the default model'}: config, tokenizer, weights" + (f" ({where})" if where else "")
-    with Readout(show_text=not as_json, no_color=no_color) as readout:
+    with Readout(show_text=not as_json and not quiet, no_color=no_color, live=False if quiet else None) as readout:
         readout.set_phase("loading", loading)
-        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
+        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
+                      shard=shard)
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
                                       prefill_chunk=prefill_chunk, truncate=truncate)
-        if (note := o.ignored_with_greedy(sampling, top_k, top_p, min_p, seed)) is not None:
-            readout.note(note)
+        note = (lambda message: None) if quiet else readout.note
+        if (ignored := o.ignored_with_greedy(sampling, top_k, top_p, min_p, seed)) is not None:
+            note(ignored)
         use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             request = Request(messages=messages)
         else:
             if system:
-                readout.note("--system is used only in chat mode; ignored with --raw"
-                             + ("" if chat is False else " (the model has no chat template)"))
+                note("--system is used only in chat mode; ignored with --raw"
+                     + ("" if chat is False else " (the model has no chat template)"))
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
         result = None
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):
-                readout.note(event.message)
+                note(event.message)
             elif isinstance(event, Done):
                 result = event.result
             else:
                 readout.on_event(event)
+    if quiet:
+        return
     out = sys.stdout
     if as_json:
-        out.write(json.dumps(json_payload(result, loaded, settings, use_chat, system if use_chat else None, compile)) + "\n")
+        payload = json_payload(result, loaded, settings, use_chat, system if use_chat else None, compile)
+        out.write(json.dumps(payload) + "\n")
     else:
         out.write("\n")
     out.flush()

@@ -25,6 +25,9 @@ Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memor
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colors (also NO_COLOR=1).")]
 Truncate = Annotated[Optional[str], typer.Option(
     help="left: drop the start of a prompt that does not fit the context (default: refuse it).")]
+TensorParallel = Annotated[int, typer.Option(
+    "--tp", help="Tensor-parallel degree: shard the model over this many processes (run under torchrun "
+                 "--nproc-per-node N). Default 1.")]
 Compile = Annotated[bool, typer.Option("--compile", help="Compile the batch-1 decode step with torch.compile "
                                                          "(faster decode; compile time is reported on its own).")]
 

@@ -94,7 +94,7 @@ def timing_table(result, loaded) -> Table:
         t.add_row("", "step latency p90", seconds(p["p90"]), "90% of the steps took at most this")
         t.add_row("", "step latency p99", seconds(p["p99"]), "99% of the steps took at most this")
         t.add_row("", "step latency max", seconds(p["max"]), "the slowest step")
-    L, H, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    L, H, d = c.num_hidden_layers, loaded.model.kv_heads, c.head_dim  # kv heads in this rank's cache
     e = r.cache.bytes_per_token // (2 * L * H * d)
     b, n = r.cache.batch, r.cache.tokens
     formula = f"2 · {L} · {b} · {n} · {H} · {d} · {e}"
@@ -122,4 +122,16 @@ def timing_table(result, loaded) -> Table:
             t.add_row("", "of device peak", "unknown", f"{_unknown_peak()}")
     else:
         t.add_row("bandwidth", "achieved", "n/a", "needs at least 2 generated tokens (a decode step)")
+    shard = getattr(loaded.model, "shard", None)
+    if shard is not None and shard.active:
+        n = shard.world
+        t.add_row("tensor parallel", "ranks", str(n), "processes sharing the model (numbers above are rank 0's)")
+        t.add_row("", "KV cache", f"{human_bytes(r.cache.bytes_allocated)} × {n}",
+                  f"allocated per rank (each holds 1/{n} of the KV heads); total {human_bytes(n * r.cache.bytes_allocated)}")
+        t.add_row("", "weights", f"{human_bytes(r.weight_bytes)} per rank",
+                  f"1/{n} of every layer's projections, plus the replicated embeddings and norms")
+        busy = r.prefill_seconds + r.decode_seconds
+        share = f" = {100 * shard.stats.seconds / busy:.1f}% of prefill + decode" if busy else ""
+        t.add_row("", "all-reduce", seconds(shard.stats.seconds),
+                  f"{shard.stats.calls} all-reduces (2 per layer per forward pass), wall time{share}")
     return t

@@ -15,13 +15,24 @@ backend is NCCL on GPUs and gloo on CPUs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import DeviceError, UnsupportedModelError
+
+
+@dataclass
+class ReduceStats:
+    """Time spent in all-reduces (wall time; on GPUs only when `synchronize` is set, since
+    NCCL calls return before the reduction is done)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    synchronize: bool = False
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class Shard:
     rank: int = 0
     world: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None = the default group
+    stats: ReduceStats = field(default_factory=ReduceStats, compare=False)
 
     @property
     def active(self) -> bool:
@@ -48,7 +60,12 @@ class Shard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
+            t = time.perf_counter()
             dist.all_reduce(x, group=self.group)
+            if self.stats.synchronize and x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            self.stats.seconds += time.perf_counter() - t
+            self.stats.calls += 1
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from clirun import run_inprocess
-from twice.cli.batch import auto_batch_size, parse_input, scan_output, sniff_format
+from twice.cli.batch import auto_batch_size
+from twice.cli.batch_input import parse_input, sniff_format
+from twice.cli.batch_output import scan_output
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.core.sampling import SamplingParams
 from twice.weights.load import load

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from clirun import run_inprocess
+from tiny import set_json
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -98,16 +99,6 @@ def copy_model(model_dirs, tmp_path, name="model"):
     dest = tmp_path / name
     shutil.copytree(model_dirs("llama"), dest)
     return dest
-
-
-def set_json(path, **changes):
-    data = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data))
 
 
 # -- the terminal REPL -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import tiny
 from twice.core.cache import KVCache
 from twice.core.config import config_from_dict
-from twice.core.engine import Done, Engine, GenerationSettings, PrefillStart, Request, TokenEvent
+from twice.core.engine import Engine, GenerationSettings, PrefillStart, Request, TokenEvent
 from twice.core.errors import PromptError
 from twice.core.sampling import SamplingParams
 from twice.core.stopping import StopMatcher

@@ -234,7 +234,7 @@ def test_batch_signal_keeps_complete_lines(long_model, tmp_path, phase, signum):
     assert "--resume continues" in err
     lines = complete_lines(out)
     assert 1 <= len(lines) < len(prompts) and all(line["finish_reason"] in ("length", "eos") for line in lines)
-    from twice.cli.batch import scan_output
+    from twice.cli.batch_output import scan_output
 
     assert scan_output(out.read_bytes(), str(out)).done == {str(line["id"]) for line in lines}  # --resume takes it
 
@@ -407,7 +407,7 @@ class file_size_limit:
 
 
 def test_chat_save_on_a_full_disk_keeps_the_old_file(tmp_path):
-    from twice.cli.chat import _write_atomic
+    from twice.cli.conversation_file import write_atomic as _write_atomic
 
     dest = tmp_path / "chat.json"
     dest.write_text('{"version": 1, "messages": []}\n')

@@ -240,7 +240,8 @@ LINE = st.one_of(LINE_OBJECT.map(lambda o: json.dumps(o, ensure_ascii=False)), J
 @settings(FUZZ, max_examples=600)
 @given(st.lists(LINE, max_size=6), st.sampled_from(["\n", "\r\n"]), st.sampled_from(["txt", "jsonl"]))
 def test_batch_lines(lines, newline, fmt):
-    from twice.cli.batch import line_settings, parse_input
+    from twice.cli.batch import line_settings
+    from twice.cli.batch_input import parse_input
     from twice.core.engine import GenerationSettings
 
     text = newline.join(lines)
@@ -265,7 +266,7 @@ def test_batch_lines(lines, newline, fmt):
                                     st.binary(max_size=20)), max_size=5)
                  .flatmap(lambda ls: st.sampled_from([b"\n".join(ls), b"\n".join(ls) + b"\n"]))))
 def test_resume_scanner(data):
-    from twice.cli.batch import scan_output
+    from twice.cli.batch_output import scan_output
 
     try:
         state = scan_output(data, "out.jsonl")
@@ -285,7 +286,7 @@ def test_resume_scanner(data):
                  .map(lambda d: json.dumps(d).encode()),
                  JSON_VALUES.map(lambda v: json.dumps(v).encode())))
 def test_chat_load(fuzz_dir, data):
-    from twice.cli.chat import read_conversation
+    from twice.cli.conversation_file import read_conversation
 
     path = fuzz_dir / "conversation.json"
     path.write_bytes(data)
@@ -314,7 +315,8 @@ PIECES = [
 @settings(FUZZ, max_examples=200)
 @given(st.lists(st.sampled_from(PIECES), min_size=1, max_size=8))
 def test_chat_templates_end_quickly(fuzz_dir, tokenizer, pieces):
-    from twice.weights.tokenizer import TemplateLimits, Tokenizer
+    from twice.weights.chat_template import TemplateLimits
+    from twice.weights.tokenizer import Tokenizer
 
     folder = fuzz_dir / "template"
     if not folder.exists():

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import gguf
+from tiny import add_gguf_metadata
 import numpy as np
 import pytest
 import torch
@@ -160,17 +161,7 @@ def base_metadata(model: LlamaForCausalLM, pre: str = "smollm") -> dict:
 
 def write_gguf(path: Path, metadata: dict, tensors: dict, arch: str = "llama") -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_gguf_metadata(writer, metadata)
     for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=None if qtype == F32 else qtype)
     writer.write_header_to_file()

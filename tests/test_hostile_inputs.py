@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from clirun import run_inprocess
+from tiny import add_gguf_metadata, set_json
 from twice.core.errors import TokenizerError, TwiceError
 
 
@@ -31,16 +32,6 @@ def copy_model(model_dirs, tmp_path, family="llama", name="model") -> Path:
     dest = tmp_path / name
     shutil.copytree(model_dirs(family), dest)
     return dest
-
-
-def set_json(path: Path, **changes) -> None:
-    data = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data))
 
 
 def read_header(path: Path) -> tuple[dict, bytes]:
@@ -145,7 +136,6 @@ def integer_tensor(folder):
 
 
 def nan_weights(folder):
-    import torch
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(folder / "model.safetensors")
@@ -382,7 +372,7 @@ COSTLY = [
 
 @pytest.mark.parametrize("template, words", COSTLY)
 def test_costly_templates_are_stopped_quickly(model_dirs, tmp_path, monkeypatch, template, words):
-    from twice.weights.tokenizer import TemplateLimits
+    from twice.weights.chat_template import TemplateLimits
 
     monkeypatch.setattr(TemplateLimits, "steps", 200_000)  # the default (10^6) takes a few seconds to reach
     tok = template_tokenizer(model_dirs, tmp_path, template)
@@ -394,7 +384,7 @@ def test_costly_templates_are_stopped_quickly(model_dirs, tmp_path, monkeypatch,
 
 
 def test_render_time_limit(model_dirs, tmp_path, monkeypatch):
-    from twice.weights.tokenizer import TemplateLimits
+    from twice.weights.chat_template import TemplateLimits
 
     monkeypatch.setattr(TemplateLimits, "seconds", 0.2)
     tok = template_tokenizer(model_dirs, tmp_path, "{% for i in range(100000) %}{% for j in range(100000) %}"
@@ -471,17 +461,7 @@ def write_small_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizatio
               "tokenizer.ggml.add_bos_token": False,
               "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
     values.update(metadata or {})
-    for key, value in values.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_gguf_metadata(writer, values)
 
     def w(*shape):
         return rng.standard_normal(shape).astype(np.float32)
@@ -674,7 +654,7 @@ def test_batch_output_symlinks_are_never_followed(llama, tmp_path, capsys):
 def test_batch_writer_refuses_a_link_swapped_in_after_the_check(llama, tmp_path):
     """Between the checks and the open (a race): O_EXCL for a new file, O_NOFOLLOW and the
     file's identity for --resume."""
-    from twice.cli.batch import Writer, check_output
+    from twice.cli.batch_output import Writer, check_output
     from twice.core.errors import PromptError
 
     victim = tmp_path / "victim.jsonl"
@@ -722,7 +702,7 @@ def test_chat_save_never_writes_through_a_link(llama, tmp_path, capsys, monkeypa
 def test_chat_save_temp_file_and_late_link(tmp_path, monkeypatch):
     """A link where the temporary file would go is skipped (mkstemp's O_EXCL); a link put at
     the destination after the check is replaced by the rename, not followed."""
-    from twice.cli import chat
+    from twice.cli.conversation_file import write_atomic
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -730,8 +710,8 @@ def test_chat_save_temp_file_and_late_link(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)
     (tmp_path / ".saved.json.taken.tmp").symlink_to(victim)
     dest = tmp_path / "saved.json"
-    dest.symlink_to(victim)  # as if placed between _refuse_overwrite and the rename
-    chat._write_atomic(dest, '{"version": 1}\n')
+    dest.symlink_to(victim)  # as if placed between refuse_overwrite and the rename
+    write_atomic(dest, '{"version": 1}\n')
     assert victim.read_text() == "precious"
     assert not dest.is_symlink() and dest.read_text() == '{"version": 1}\n'
     assert (tmp_path / ".saved.json.taken.tmp").is_symlink()  # the attacker's link, untouched
@@ -740,7 +720,6 @@ def test_chat_save_temp_file_and_late_link(tmp_path, monkeypatch):
 
 def test_converted_model_folder_is_atomic_and_ignores_links(tmp_path, monkeypatch):
     import twice.weights.gguf as module
-    from twice.core.errors import WeightsError
 
     src = write_small_gguf(tmp_path / "m.gguf")
     victim = tmp_path / "victim"
@@ -818,4 +797,4 @@ def test_no_remote_code_no_unpickling_anywhere():
                     if kw.arg in ("trust_remote_code", "allow_pickle", "weights_only"):
                         found.append(f"{where}:{node.lineno}: passes {kw.arg}")
     assert not found, found
-    assert "ImmutableSandboxedEnvironment" in (root / "weights" / "tokenizer.py").read_text()
+    assert "ImmutableSandboxedEnvironment" in (root / "weights" / "chat_template.py").read_text()

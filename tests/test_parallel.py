@@ -3,7 +3,6 @@ as one process, each rank holding 1/N of the layers' weights and of the KV cache
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,26 +39,21 @@ dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Launch 2 ranks the way users do: torchrun picks a free port (--standalone) and stops
+    every rank when one fails, so a failure never leaves a rank waiting for its peer."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(TORCHRUN + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER) -> list[dict]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", script, str(folder), json.dumps(ids), str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    errs = []
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        errs.append((p.returncode, err.decode()[-2000:]))
-    for code, err in errs:
-        assert code == 0, err
+    worker = out.parent / "worker.py"
+    worker.write_text(script)
+    r = torchrun([str(worker), str(folder), json.dumps(ids), str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
@@ -101,3 +95,89 @@ def test_tp_refuses_kv_heads_not_divisible(model_dirs, tmp_path):
     for r in ranks:
         assert r["msg"] == ("num_key_value_heads (1) is not divisible by the tensor-parallel degree 2; "
                             "use a --tp that divides it")
+
+
+def run_cli_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    """`twice ARGS` on 2 ranks under torchrun (stdout and stderr of both ranks together)."""
+    return torchrun(["--no-python", "twice", *args])
+
+
+def _records(path: Path) -> list[dict]:
+    keep = ("id", "completion", "finish_reason", "prompt_tokens", "generated_tokens")
+    return [{k: json.loads(line)[k] for k in keep} for line in path.read_text().splitlines()]
+
+
+def test_generate_with_tp2_prints_once_and_equals_tp1(model_dirs, capsys):
+    from clirun import run_inprocess
+
+    folder = str(model_dirs("llama"))
+    args = ["generate", "The cache", "-m", folder, "-n", "12", "--raw", "--json"]
+    single = run_inprocess(args, capsys)
+    assert single.code == 0, single.err
+    r = run_cli_ranks(args + ["--tp", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = r.stdout.splitlines()  # only rank 0 prints
+    assert json.loads(line)["token_ids"] == json.loads(single.out)["token_ids"]
+
+
+def test_data_parallel_batch_equals_one_rank(model_dirs, tmp_path):
+    folder = str(model_dirs("llama"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "word " * (i % 5 + 1) + str(i)}) + "\n"
+                               for i in range(9)))
+    one = tmp_path / "one.jsonl"
+    two = tmp_path / "two.jsonl"
+    common = ["batch", str(prompts), "-m", folder, "-n", "6", "--raw", "--batch-size", "2"]
+    r = subprocess.run([sys.executable, "-c", "from twice.cli.app import main; main()", *common, "-o", str(one)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    r = run_cli_ranks(common + ["-o", str(two)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "merged the parts of 2 ranks" in r.stderr
+    assert sorted(_records(one), key=lambda d: d["id"]) == sorted(_records(two), key=lambda d: d["id"])
+    assert [d["id"] for d in _records(two)] == [f"p{i}" for i in range(9)]  # merged in input order
+    assert not list(tmp_path.glob("two.jsonl.part-*"))  # parts removed after the merge
+
+
+def test_data_parallel_resume_after_a_lost_rank(model_dirs, tmp_path):
+    """A part left by a killed run (with a torn last line) and a missing part: --resume
+    finishes the job and every id appears exactly once."""
+    folder = str(model_dirs("llama"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"prompt number {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "out.jsonl"
+    common = ["batch", str(prompts), "-m", folder, "-n", "4", "--raw", "-o", str(out)]
+    r = run_cli_ranks(common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    # Pretend rank 1 died after its first line and the merge never happened.
+    rank1 = [line for line in lines if json.loads(line)["id"] % 2 == 1]
+    out.unlink()
+    (tmp_path / "out.jsonl.part-1-of-2").write_text(rank1[0] + "\n" + rank1[1][:15])
+    r = run_cli_ranks(common)
+    assert r.returncode != 0 and "already exists; pass --resume" in r.stderr
+    r = run_cli_ranks(common + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == list(range(6))
+
+
+def test_tensor_parallel_batch_equals_one_rank(model_dirs, tmp_path):
+    folder = str(model_dirs("qwen3"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\nthe second one is longer than the first\nthird\n")
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ["batch", str(prompts), "-m", folder, "-n", "8", "--raw"]
+    r = subprocess.run([sys.executable, "-c", "from twice.cli.app import main; main()", *common, "-o", str(one)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    r = run_cli_ranks(common + ["-o", str(two), "--tp", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(_records(one), key=lambda d: d["id"]) == sorted(_records(two), key=lambda d: d["id"])
+
+
+def test_tp_flag_without_torchrun_is_a_clear_error(model_dirs, capsys):
+    from clirun import run_inprocess
+
+    r = run_inprocess(["generate", "hi", "-m", str(model_dirs("llama")), "--tp", "2"], capsys)
+    assert r.code == 2 and "launch with torchrun --nproc-per-node 2" in r.err

@@ -96,3 +96,29 @@ def to_hub_form(folder: Path) -> None:
         kind = rope.pop("rope_type", "default")
         cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
     path.write_text(json.dumps(cfg, indent=1))
+
+
+def set_json(path: Path, **changes) -> None:
+    """Edit a JSON file: set each key, or remove it when the value is None."""
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def add_gguf_metadata(writer, metadata: dict) -> None:
+    """Write plain Python values as GGUF metadata (ints as uint32, floats as float32)."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)

@@ -42,16 +42,14 @@ import torch
 
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
+from .gguf_metadata import positive_float, positive_int, require, token_id
+from .gguf_tokenizer import build_tokenizer
+
 SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 GGUF_MAGIC = b"GGUF"
-
-# llama.cpp's token types (llama_token_type / gguf.TokenType).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
 
 Progress = Callable[[str], None]
 
@@ -87,7 +85,7 @@ def convert_gguf(
         rope_freqs = _find_tensor(reader, "rope_freqs.weight")
         config = _model_config(metadata, src, rope_freqs)
         jobs = _plan_tensors(reader, config, src)
-        tokenizer, tokenizer_config = _build_tokenizer(metadata, config, src)
+        tokenizer, tokenizer_config = build_tokenizer(metadata, config, src)
     config["torch_dtype"] = config["dtype"] = dtype
 
     with _atomic_folder(dest, overwrite) as folder:
@@ -147,32 +145,12 @@ def _find_tensor(reader, name: str):
     return next((t for t in reader.tensors if t.name == name), None)
 
 
-def _require(metadata: dict, key: str, src: Path) -> Any:
-    if key not in metadata:
-        raise WeightsError(f"{src}: required metadata key {key} is missing")
-    return metadata[key]
-
-
-def _positive_int(metadata: dict, key: str, src: Path, default: int | None = None) -> int:
-    value = metadata.get(key, default) if default is not None else _require(metadata, key, src)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise WeightsError(f"{src}: metadata {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_float(metadata: dict, key: str, src: Path, default: float | None = None) -> float:
-    value = metadata.get(key, default) if default is not None else _require(metadata, key, src)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise WeightsError(f"{src}: metadata {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 # -- config --------------------------------------------------------------------------------
 
 
 def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     """config.json for a Hugging Face LlamaForCausalLM, from the `llama.*` metadata."""
-    arch = _require(metadata, "general.architecture", src)
+    arch = require(metadata, "general.architecture", src)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -180,14 +158,14 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     if metadata.get(f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"{src}: mixture-of-experts llama models (e.g. Mixtral) are not supported")
 
-    hidden = _positive_int(metadata, f"{arch}.embedding_length", src)
-    heads = _positive_int(metadata, f"{arch}.attention.head_count", src)
+    hidden = positive_int(metadata, f"{arch}.embedding_length", src)
+    heads = positive_int(metadata, f"{arch}.attention.head_count", src)
     kv_heads = _kv_heads(metadata, f"{arch}.attention.head_count_kv", heads, src)
     if heads % kv_heads:
         raise WeightsError(f"{src}: {heads} attention heads is not a multiple of {kv_heads} key/value heads")
     if hidden % heads and f"{arch}.attention.key_length" not in metadata:
         raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
-    head_dim = _positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
+    head_dim = positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
     if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which llama cannot express")
     # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them.
@@ -203,21 +181,21 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     default_vocab = len(tokens) if isinstance(tokens, list) and tokens else None
     if f"{arch}.vocab_size" not in metadata and default_vocab is None:
         raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
-    vocab_size = _positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
-    rope_theta = _positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
+    vocab_size = positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
+    rope_theta = positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
 
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": _positive_int(metadata, f"{arch}.feed_forward_length", src),
-        "num_hidden_layers": _positive_int(metadata, f"{arch}.block_count", src),
+        "intermediate_size": positive_int(metadata, f"{arch}.feed_forward_length", src),
+        "num_hidden_layers": positive_int(metadata, f"{arch}.block_count", src),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": _positive_int(metadata, f"{arch}.context_length", src),
-        "rms_norm_eps": _positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", src),
+        "max_position_embeddings": positive_int(metadata, f"{arch}.context_length", src),
+        "rms_norm_eps": positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", src),
         "rope_theta": rope_theta,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -229,9 +207,9 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
         config["rope_scaling"] = scaling
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
-        token_id = _token_id(metadata, gguf_key, vocab_size, src)
-        if token_id is not None:
-            config[key] = token_id
+        value = token_id(metadata, gguf_key, vocab_size, src)
+        if value is not None:
+            config[key] = value
     return config
 
 
@@ -242,16 +220,7 @@ def _kv_heads(metadata: dict, key: str, heads: int, src: Path) -> int:
         if not value or len(set(value)) != 1:
             raise UnsupportedModelError(f"{src}: a different number of key/value heads per layer is not supported")
         value = value[0]
-    return _positive_int({key: value}, key, src)
-
-
-def _token_id(metadata: dict, name: str, vocab_size: int, src: Path) -> int | None:
-    value = metadata.get(f"tokenizer.ggml.{name}")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-        raise WeightsError(f"{src}: tokenizer.ggml.{name} {value!r} is not a token id below {vocab_size}")
-    return value
+    return positive_int({key: value}, key, src)
 
 
 def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
@@ -509,205 +478,6 @@ def _write_safetensors(path: Path, jobs: list[_TensorJob], dtype: torch.dtype, s
         for index, job in enumerate(jobs, 1):
             say(f"tensor {index}/{len(jobs)}: {job.tensor.name} -> {job.name}")
             f.write(_tensor_bytes(_load_weight(job, src), dtype))
-
-
-# -- tokenizer -----------------------------------------------------------------------------
-
-# Pre-tokenizer split patterns, as llama.cpp (llama-vocab.cpp) and transformers use them.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class _PreTokenizer:
-    """How one `tokenizer.ggml.pre` name splits text, and the defaults llama.cpp gives it."""
-
-    kind: str  # "gpt2": GPT-2's byte-level regex; "digits": single digits, then GPT-2's; "split": `pattern`
-    pattern: str | None = None
-    ignore_merges: bool = False  # take a word whole when it is in the vocabulary (llama3)
-    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
-
-
-_GPT2 = _PreTokenizer("gpt2")
-_DIGITS = _PreTokenizer("digits")
-_LLAMA3 = _PreTokenizer("split", _LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
-_LLAMA3_REGEX_ONLY = _PreTokenizer("split", _LLAMA3_SPLIT)
-_QWEN2 = _PreTokenizer("split", _QWEN2_SPLIT)
-PRE_TOKENIZERS = {
-    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
-    "smollm": _DIGITS, "starcoder": _DIGITS, "refact": _DIGITS,
-    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
-    "smaug-bpe": _LLAMA3_REGEX_ONLY, "dbrx": _LLAMA3_REGEX_ONLY,
-    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
-}
-
-
-def _pre_tokenizer(spec: _PreTokenizer):
-    from tokenizers import Regex, pre_tokenizers
-
-    if spec.kind == "gpt2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if spec.kind == "digits":  # what SmolLM's and StarCoder's own tokenizer.json say
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-def _string_list(metadata: dict, key: str, src: Path) -> list[str]:
-    value = _require(metadata, key, src)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise WeightsError(f"{src}: metadata {key} must be a list of strings")
-    return value
-
-
-def _build_tokenizer(metadata: dict, config: dict, src: Path):
-    """A `tokenizers.Tokenizer` and the tokenizer_config.json that goes with it."""
-    spec = _tokenizer_spec(metadata, src)
-    tokens = _string_list(metadata, "tokenizer.ggml.tokens", src)
-    merges = _merge_pairs(_string_list(metadata, "tokenizer.ggml.merges", src), src)
-    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise WeightsError(f"{src}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    if len(tokens) > config["vocab_size"]:
-        raise WeightsError(f"{src}: {len(tokens)} tokens do not fit the model's vocab_size {config['vocab_size']}")
-
-    ids = {
-        "bos_token": config.get("bos_token_id"),
-        "eos_token": config.get("eos_token_id"),
-        "unk_token": _token_id(metadata, "unknown_token_id", config["vocab_size"], src),
-        "pad_token": config.get("pad_token_id"),
-    }
-    names = {name: tokens[i] for name, i in ids.items() if i is not None and i < len(tokens)}
-    tokenizer = _bpe_tokenizer(tokens, merges, spec, src)
-    _add_whole_tokens(tokenizer, tokens, types, special_ids=set(ids.values()))
-
-    add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", spec.add_bos, src)
-    add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", False, src)
-    tokenizer.post_processor = _post_processor(
-        names.get("bos_token") if add_bos else None, ids["bos_token"],
-        names.get("eos_token") if add_eos else None, ids["eos_token"],
-    )
-
-    tokenizer_config: dict[str, Any] = {
-        # the generic class: it takes tokenizer.json as it is, where a model-specific one may
-        # rebuild parts of the pipeline its own way
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **names,
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "model_max_length": config["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }
-    template = metadata.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
-        tokenizer_config["chat_template"] = template
-    return tokenizer, tokenizer_config
-
-
-def _tokenizer_spec(metadata: dict, src: Path) -> _PreTokenizer:
-    """The pre-tokenizer for this file's vocabulary, refusing vocabularies we cannot rebuild."""
-    model = _require(metadata, "tokenizer.ggml.model", src)
-    if model not in SUPPORTED_TOKENIZER_MODELS:
-        hint = " (a sentencepiece vocabulary)" if model == "llama" else ""
-        raise UnsupportedModelError(
-            f"{src}: tokenizer model {model!r}{hint} is not supported; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)"
-        )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise UnsupportedModelError(
-            f"{src}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
-        )
-    return PRE_TOKENIZERS[pre]
-
-
-def _bpe_tokenizer(tokens: list[str], merges: list[tuple[str, str]], spec: _PreTokenizer, src: Path):
-    """Byte-level BPE over the file's vocabulary. The tokens are already spelled in GPT-2's
-    byte alphabet (a space is "Ġ"), so they go in as they are."""
-    from tokenizers import Tokenizer, decoders, models
-
-    # A repeated token keeps its first id (a dict cannot hold both); the later id stays unused.
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
-    try:
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                         ignore_merges=spec.ignore_merges)
-    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
-        raise WeightsError(f"{src}: the tokenizer vocabulary and merges do not fit together ({e})") from None
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(spec)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _add_whole_tokens(tokenizer, tokens: list[str], types: list[int], special_ids: set) -> None:
-    """Tokens matched whole in the text, before BPE sees it, under their existing ids.
-
-    Control tokens (and the named bos/eos/unk/pad) become special: decoding with
-    skip_special_tokens drops them. User-defined ones (like `<think>`) are matched whole too,
-    as llama.cpp does, but stay ordinary text."""
-    from tokenizers import AddedToken
-
-    special, user = [], []
-    for index, (token, kind) in enumerate(zip(tokens, types)):
-        if kind == _TOKEN_CONTROL or index in special_ids:
-            special.append(AddedToken(token, special=True, normalized=False))
-        elif kind == _TOKEN_USER_DEFINED:
-            user.append(AddedToken(token, special=False, normalized=False))
-    tokenizer.add_special_tokens(special)
-    tokenizer.add_tokens(user)
-
-
-def _merge_pairs(merges: list[str], src: Path) -> list[tuple[str, str]]:
-    """llama.cpp stores each merge as "left right"; byte-level tokens never contain a space."""
-    pairs = []
-    for merge in merges:
-        parts = merge.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise WeightsError(f"{src}: tokenizer merge {merge!r} is not two tokens separated by one space")
-        pairs.append((parts[0], parts[1]))
-    return pairs
-
-
-def _flag(metadata: dict, key: str, default: bool, src: Path) -> bool:
-    value = metadata.get(key, default)
-    if not isinstance(value, bool):
-        raise WeightsError(f"{src}: metadata {key} must be true or false, got {value!r}")
-    return value
-
-
-def _post_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None):
-    """ByteLevel offsets (as HF's byte-level tokenizer.json files have), plus BOS/EOS when the
-    file asks for them, so that plain `tokenizers` users get them too, not only transformers."""
-    from tokenizers import processors
-
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if bos is None and eos is None:
-        return byte_level
-
-    def sequence(piece: str, type_id: int) -> list[str]:
-        return [f"{bos}:{type_id}"] * (bos is not None) + [f"${piece}:{type_id}"] + [f"{eos}:{type_id}"] * (eos is not None)
-
-    specials = {token: token_id for token, token_id in ((bos, bos_id), (eos, eos_id)) if token is not None}
-    template = processors.TemplateProcessing(
-        single=sequence("A", 0), pair=sequence("A", 0) + sequence("B", 1), special_tokens=list(specials.items())
-    )
-    return processors.Sequence([byte_level, template])
-
-
-# -- output folder -------------------------------------------------------------------------
 
 
 def _check_destination(dest: Path, overwrite: bool) -> None:

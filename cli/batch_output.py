@@ -1,0 +1,231 @@
+"""`twice batch` output: JSON lines written whole and synced, and what --resume finds in
+an earlier run's file.
+
+Each result is one complete line written with a single write() (and fsync'ed): a killed
+run leaves at most one torn last line, which --resume drops before appending.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from twice.core.errors import PromptError, TwiceError
+
+OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
+
+
+@dataclass
+class OutputState:
+    """What --resume found in an existing output: the ids already there, and where a
+    damaged tail (a torn last write) starts, if there is one."""
+
+    done: set[str] = field(default_factory=set)
+    existing: bool = False  # the file is there and was read (--resume): append to it
+    keep_bytes: int | None = None  # truncate the file to this length before appending
+    dropped_bytes: int = 0
+    identity: tuple | None = None  # (device, inode, size, mtime) of the file that was read
+
+
+def scan_output(data: bytes, name: str) -> OutputState:
+    """Read an earlier run's output. A last line without its newline, or a last line that
+    is not JSON at all, is a torn write and is dropped; any other line must be one of ours,
+    so that a user's unrelated file is refused rather than cut."""
+    state = OutputState(existing=True)
+    end = data.rfind(b"\n") + 1  # end of the last complete line
+    lines = data[:end].split(b"\n")[:-1]
+    keep = end
+    if lines and not _is_json(lines[-1]):
+        keep -= len(lines[-1]) + 1
+        lines.pop()
+    for number, raw in enumerate(lines, start=1):
+        if (obj := _our_line(raw)) is None:
+            raise TwiceError(f"{name}:{number}: not a line of ours, so {name} is not a twice batch output; "
+                             "choose another --output file")
+        state.done.add(str(obj["id"]))
+    torn = data[keep:]
+    if torn:
+        # Our writer ends each line in the same write(): a complete JSON value without
+        # its newline, or a first line that does not begin like ours, was not torn from us.
+        tail = data[end:]
+        if (tail and _is_json(tail) and _our_line(tail) is None) or (not lines and not _starts_like_ours(torn)):
+            raise TwiceError(f"{name} is not a twice batch output (its last line is not one of ours); "
+                             "choose another --output file")
+        state.keep_bytes, state.dropped_bytes = keep, len(torn)
+    return state
+
+
+def _our_line(raw: bytes) -> dict | None:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("finish_reason"), str):
+        return None
+    value = obj.get("id")
+    return obj if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8"))
+        return True
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+
+
+def _starts_like_ours(tail: bytes) -> bool:
+    return tail.startswith(OUR_PREFIX) or OUR_PREFIX.startswith(tail)
+
+
+def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputState]:
+    """Refuse anything that could clobber a file or fail only after the work is done.
+
+    The output is never reached through a symbolic link: in a shared folder, a link put
+    where our output will be could otherwise point the results (or --resume's truncation
+    of a torn line) at someone else's file."""
+    if output in (None, "-"):
+        if resume:
+            raise PromptError("--resume needs --output FILE.jsonl (there is nothing to resume on standard output)")
+        return None, OutputState()
+    path = Path(output)
+    if not path.parent.is_dir():
+        raise PromptError(f"{output}: the folder {str(path.parent)!r} does not exist")
+    if path.is_symlink():
+        raise PromptError(f"{output} is a symbolic link; give the file itself (twice never writes through a link)")
+    if path.is_dir():
+        raise PromptError(f"{output} is a folder; --output takes a file name")
+    if not path.exists():
+        return path, OutputState()
+    if not resume:
+        raise PromptError(f"{output} already exists; pass --resume to continue it, or choose another --output file")
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
+    except OSError as e:
+        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PromptError(f"{output} is not a regular file; --resume continues a file that twice wrote")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    state = scan_output(data, output)
+    state.identity = (st.st_dev, st.st_ino, len(data), st.st_mtime_ns)
+    return path, state
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class Writer:
+    """One JSON line per result, each with a single write() of the whole line.
+
+    A new file is created with O_EXCL (never an existing file, never through a link); an
+    existing one (--resume) is opened with O_NOFOLLOW and must still be the very file
+    --resume read. A line that cannot be written whole (disk full, file size limit) is cut
+    back off, so the file never ends in a torn line of this run."""
+
+    def __init__(self, path: Path | None, state: OutputState):
+        self.path, self.fd = path, None
+        if path is None:
+            return
+        flags = os.O_WRONLY | os.O_APPEND | _NOFOLLOW
+        if not state.existing:
+            flags |= os.O_CREAT | os.O_EXCL  # if someone created it since we looked: refuse, never clobber
+        try:
+            self.fd = os.open(path, flags, 0o644)
+            if state.identity is not None:
+                st = os.fstat(self.fd)
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != state.identity:
+                    raise PromptError(f"{path} changed while twice was starting; run again")
+            if state.keep_bytes is not None:
+                os.ftruncate(self.fd, state.keep_bytes)
+                os.fsync(self.fd)
+            elif not state.existing:
+                _sync_folder(path.parent)  # so that a crash cannot lose the new file's name
+        except FileExistsError:
+            raise PromptError(f"{path} appeared while twice was starting; pass --resume or choose another file") from None
+        except OSError as e:
+            self.close()
+            if e.errno == errno.ELOOP:
+                raise PromptError(f"{path} is a symbolic link; give the file itself "
+                                  "(twice never writes through a link)") from None
+            raise TwiceError(f"cannot write {path}: {e.strerror or e}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        if self.fd is None:
+            try:
+                _write_stdout(data)
+            except BrokenPipeError:
+                raise
+            except OSError as e:
+                raise TwiceError(f"cannot write standard output: {e.strerror or e}") from None
+            return
+        start = None
+        try:
+            start = os.fstat(self.fd).st_size
+            while data:  # a regular file takes the whole line at once; loop only for safety
+                data = data[os.write(self.fd, data):]
+            os.fsync(self.fd)
+        except OSError as e:
+            if start is not None:
+                try:
+                    os.ftruncate(self.fd, start)  # take back the part of the line that made it
+                except OSError:
+                    pass
+            raise TwiceError(f"cannot write {self.path}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class NullWriter:
+    """Where a tensor-parallel rank other than 0 writes: nowhere (rank 0 writes every line)."""
+
+    def write(self, obj: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _sync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not every system lets a folder be opened; the lines are still synced
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_stdout(data: bytes) -> None:
+    out = sys.stdout
+    buffer = getattr(out, "buffer", None)
+    if buffer is None:  # a replaced text stream
+        out.write(data.decode("utf-8"))
+    else:  # bytes: JSON lines are UTF-8 whatever the locale says
+        out.flush()
+        buffer.write(data)
+        buffer.flush()
+    out.flush()
+
+

@@ -1,0 +1,160 @@
+"""Reading what the user types in `twice chat`: prompt-toolkit on a terminal (line editing,
+history, Esc-Enter for a newline), plain lines from standard input otherwise, with the
+same multi-line rules (a trailing backslash continues; \"\"\" opens and closes a block)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.text import Text
+
+from .console import err_console
+from .format import os_message
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+BLOCK = '"""'
+
+
+def block_open(text: str) -> bool:
+    """True while a \"\"\" block has been opened and not yet closed."""
+    s = text.lstrip()
+    if not s.startswith(BLOCK):
+        return False
+    return not s[len(BLOCK):].rstrip().endswith(BLOCK)
+
+
+def finish_input(text: str) -> str:
+    """The message an input stands for: the inside of a \"\"\" block, else the text as typed."""
+    s = text.strip()
+    if s.startswith(BLOCK) and len(s) >= 2 * len(BLOCK) and s.endswith(BLOCK):
+        body = s[len(BLOCK):-len(BLOCK)]
+        body = body[1:] if body.startswith("\n") else body
+        body = body[:-1] if body.endswith("\n") else body
+        # A block is always a message: escape a leading slash the way a user would (//).
+        return "/" + body if body.startswith("/") else body
+    return text
+
+
+class TerminalReader:
+    """prompt-toolkit: line editing, history, Enter sends, Esc-Enter inserts a newline."""
+
+    def __init__(self, history_path: Path | None):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        history = InMemoryHistory()
+        if history_path is not None:
+            try:
+                history_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(history_path, "ab"):  # fail now, not in prompt-toolkit's background thread
+                    pass
+                history = FileHistory(str(history_path))
+            except OSError as e:
+                err_console().print(Text(f"note: input history not kept: {history_path}: {os_message(e)}",
+                                         style="yellow"), soft_wrap=True)
+
+        kb = KeyBindings()
+
+        @kb.add("enter")
+        def _enter(event):
+            buf = event.current_buffer
+            if block_open(buf.text):
+                buf.insert_text("\n")
+            elif buf.text.endswith("\\"):
+                buf.cursor_position = len(buf.text)
+                buf.delete_before_cursor(1)
+                buf.insert_text("\n")
+            else:
+                buf.validate_and_handle()
+
+        @kb.add("escape", "enter")
+        def _newline(event):
+            event.current_buffer.insert_text("\n")
+
+        output = None
+        if not sys.stdout.isatty():  # `twice chat > replies.txt`: keep the prompt off the replies
+            from prompt_toolkit.output import create_output
+
+            output = create_output(stdout=sys.stderr)
+        self.session = PromptSession(history=history, key_bindings=kb, multiline=True, output=output,
+                                     prompt_continuation=lambda width, line, wrap: CONTINUATION.rjust(width))
+
+    def read(self) -> str | None:
+        try:
+            text = self.session.prompt(PROMPT)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line
+            return None
+        return finish_input(text)
+
+
+class PlainReader:
+    """Standard input that is not a terminal: one message per line, with the same
+    continuation rules (trailing backslash, \"\"\" blocks), and no prompt."""
+
+    def __init__(self, stream=None, prompt: bool = False):
+        self.stream = stream or sys.stdin
+        self.prompt = prompt  # a terminal without prompt-toolkit still needs to see where to type
+        self.line_number = 0
+
+    def _line(self, prompt: str = PROMPT) -> str:
+        if self.prompt:
+            sys.stderr.write(prompt)
+            sys.stderr.flush()
+        buffer = getattr(self.stream, "buffer", None)
+        raw = buffer.readline() if buffer is not None else self.stream.readline()
+        if not raw:
+            raise EOFError
+        self.line_number += 1
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"line {self.line_number} of standard input is not valid UTF-8 "
+                                 f"(byte {e.start})") from None
+        return raw[:-1] if raw.endswith("\n") else raw
+
+    def read(self) -> str | None:
+        try:
+            text = self._line()
+            while True:
+                if block_open(text):
+                    try:
+                        text += "\n" + self._line(CONTINUATION)
+                    except EOFError:
+                        err_console().print(Text(f"error: standard input ended inside a {BLOCK} block; "
+                                                 "that block was not sent", style="red"), soft_wrap=True)
+                        raise
+                elif text.endswith("\\"):
+                    try:
+                        text = text[:-1] + "\n" + self._line(CONTINUATION)
+                    except EOFError:
+                        return text[:-1]
+                else:
+                    return finish_input(text)
+        except ValueError as e:
+            err_console().print(Text(f"error: {e}; skipped", style="red"), soft_wrap=True)
+            return None
+        except KeyboardInterrupt:
+            if not self.prompt:  # piped input cannot be retyped: Ctrl-C means stop
+                raise
+            sys.stderr.write("\n")  # on a terminal, Ctrl-C drops the line being typed
+            return None
+
+
+def make_reader(history: Path | None):
+    if sys.stdin is None or not sys.stdin.isatty():
+        return PlainReader()
+    try:
+        import prompt_toolkit  # noqa: F401
+    except ImportError:
+        err_console().print(Text("note: prompt-toolkit is not installed: no line editing or history "
+                                 "(pip install prompt-toolkit)", style="yellow"), soft_wrap=True)
+        return PlainReader(prompt=True)
+    if history is None:
+        from twice.weights.paths import cache_dir
+
+        history = cache_dir() / "chat_history"
+    return TerminalReader(history.expanduser())
