@@ -99,7 +99,9 @@ def test_tp_refuses_kv_heads_not_divisible(model_dirs, tmp_path):
 
 def run_cli_ranks(args: list[str]) -> subprocess.CompletedProcess:
     """`twice ARGS` on 2 ranks under torchrun (stdout and stderr of both ranks together)."""
-    return torchrun(["--no-python", "twice", *args])
+    # The console script beside this interpreter: CI calls .venv/bin/python without activating the venv.
+    twice = str(Path(sys.executable).parent / "twice")
+    return torchrun(["--no-python", twice, *args])
 
 
 def _records(path: Path) -> list[dict]:
