@@ -40,9 +40,11 @@ def results_table(results, setup: dict, bandwidth: dict) -> Table:
 
 
 def bandwidth_line(bandwidth: dict) -> str:
+    seen = ", ".join(f"{r / 1e9:.1f}" for r in bandwidth.get("read_measurements", []))
     return (f"memory bandwidth on {bandwidth['device']} ({bandwidth['threads']} threads, "
-            f"{human_bytes(bandwidth['buffer_bytes'])} buffer): read {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s, "
-            f"copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+            f"{human_bytes(bandwidth['buffer_bytes'])} buffer): read {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s"
+            + (f" (best of {seen} GB/s, before and after the runs)" if seen else "")
+            + f", copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s")
 
 
 def suite_json(results, setup: dict, bandwidth: dict) -> dict:

@@ -50,12 +50,9 @@ def finish(launch) -> None:
 
 def all_ok(launch, error: BaseException | None) -> list[str]:
     """Every rank's failure message (empty when all ranks succeeded); also a barrier."""
-    import torch.distributed as dist
+    from twice.core.parallel import gather_failures
 
-    message = None if error is None else (str(error) or type(error).__name__)
-    gathered: list = [None] * launch.world
-    dist.all_gather_object(gathered, message)
-    return [f"rank {rank}: {m}" for rank, m in enumerate(gathered) if m is not None]
+    return gather_failures(launch, None if error is None else (str(error) or type(error).__name__))
 
 
 def part_path(output: Path, rank: int, world: int) -> Path:

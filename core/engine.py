@@ -291,7 +291,12 @@ class Engine:
                                  kv_heads=self.model.kv_heads)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
-        compile_seconds = self.fast.warmup(self.cache) if self.fast and self.fast.supports(self.cache) else 0.0
+        compile_seconds = 0.0
+        if self.fast and self.fast.supports(self.cache):
+            if not self.fast.is_warm(self.cache):
+                yield Notice(f"compiling the decode step for a {self.cache.capacity}-token cache "
+                             "(once per cache size; cached on disk by torch.compile)")
+            compile_seconds = self.fast.warmup(self.cache)
         start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds

@@ -104,10 +104,17 @@ class CompiledDecoder:
     def supports(self, cache: KVCache) -> bool:
         return cache.batch == 1 and cache.capacity % CAPACITY_BUCKET == 0
 
+    @staticmethod
+    def _key(cache: KVCache) -> tuple:
+        return (cache.capacity, cache.k.dtype, cache.starts is not None)
+
+    def is_warm(self, cache: KVCache) -> bool:
+        return self._key(cache) in self.warm
+
     def warmup(self, cache: KVCache) -> float:
         """Compile for this cache's shape (once per shape); returns the seconds it took.
         Runs one step at the cache's last column, which no token occupies yet."""
-        key = (cache.capacity, cache.k.dtype, cache.starts is not None)
+        key = self._key(cache)
         if key in self.warm:
             return 0.0
         t = time.perf_counter()

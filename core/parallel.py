@@ -137,6 +137,14 @@ def init_from_env(device: str = "auto") -> Launch:
     return Launch(rank=rank, world=world, device=device)
 
 
+def gather_failures(launch: Launch, message: str | None) -> list[str]:
+    """Every rank's failure message, "rank R: ..." (empty when none failed). Every rank must
+    call it: it is also the barrier after which rank 0 may merge what the ranks wrote."""
+    gathered: list = [None] * launch.world
+    dist.all_gather_object(gathered, message)
+    return [f"rank {rank}: {m}" for rank, m in enumerate(gathered) if m is not None]
+
+
 def finish() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
