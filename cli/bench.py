@@ -28,7 +28,7 @@ def bench(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for every engine (default: torch's).")] = None,
     workload: WorkloadOpt = None,
     engine: Annotated[Optional[list[str]], typer.Option(
-        "--engine", "-e", help="naive, transformers, transformers-static, twice, twice-compiled (repeatable). "
+        "--engine", "-e", help="naive, transformers, transformers-static, twice (eager), twice-native (one C call per token, CPU), twice-compiled (repeatable). "
                                "Default: per workload.")] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median reported), after a warm-up.")] = 3,
     quick: Annotated[bool, typer.Option(help="Divide every workload's lengths by 8 (smoke test).")] = False,

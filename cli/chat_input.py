@@ -154,7 +154,7 @@ def make_reader(history: Path | None):
                                  "(pip install prompt-toolkit)", style="yellow"), soft_wrap=True)
         return PlainReader(prompt=True)
     if history is None:
-        from twice.weights.paths import cache_dir
+        from twice.core.paths import cache_dir
 
         history = cache_dir() / "chat_history"
     return TerminalReader(history.expanduser())

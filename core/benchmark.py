@@ -21,6 +21,8 @@ from .device import DTYPE_NAMES, synchronize
 from .engine import Done, Engine, GenerationSettings, Request
 from .model import CausalLM
 from .models import build_model
+from .native_decode import NativeDecoder
+from .native_decode import supported as native_supported
 
 # Random-weight stand-ins with the exact shapes of real checkpoints (no download needed).
 SHAPES: dict[str, dict] = {
@@ -50,7 +52,7 @@ SHAPES: dict[str, dict] = {
 
 @dataclass
 class Run:
-    engine: str  # naive | transformers | transformers-static | twice | twice-compiled
+    engine: str  # one of ENGINES
     prompt_tokens: int
     new_tokens: int
     batch: int
@@ -281,7 +283,7 @@ def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 
             span = wall - first
             decode_tps = sum(x.generated_tokens - 1 for x in results) / span if span > 0 else 0.0
         p50, p99 = _steps_summary(r.step_seconds)
-        runs.append(Run(name or ("twice-compiled" if engine.fast else "twice"), prompt_tokens, new_tokens, batch,
+        runs.append(Run(name or engine_name(engine), prompt_tokens, new_tokens, batch,
                         r.ttft_seconds, r.prefill_tokens_per_second, decode_tps, p50, p99, mem.added,
                         engine.weight_bytes, r.cache.bytes_per_token, steps_s=list(r.step_seconds)))
     run = _median_run(runs)
@@ -403,15 +405,25 @@ WORKLOADS = {
     "batch16": Workload("batch16", 32, 64, 16),
     "batch32": Workload("batch32", 32, 64, 32),
 }
-ENGINES = ("naive", "transformers", "transformers-static", "twice", "twice-compiled")
+# twice: the eager PyTorch layers; twice-native: the one-call C decode step (CPU, llama
+# family: what `twice generate` uses there); twice-compiled: the torch.compile'd step.
+ENGINES = ("naive", "transformers", "transformers-static", "twice", "twice-native", "twice-compiled")
+BATCH1_ONLY = ("twice-native", "twice-compiled")
 
 
-def default_engines(workload: Workload) -> tuple[str, ...]:
+def engine_name(engine: Engine) -> str:
+    if isinstance(engine.fast, NativeDecoder):
+        return "twice-native"
+    return "twice-compiled" if engine.fast else "twice"
+
+
+def default_engines(workload: Workload, model: CausalLM | None = None) -> tuple[str, ...]:
     if workload.name == "naive":
         return ("naive", "twice", "transformers")
     if workload.batch > 1:
         return ("twice", "transformers")
-    return ("twice", "twice-compiled", "transformers")
+    native = ("twice-native",) if model is not None and native_supported(model) else ()
+    return ("twice", *native, "twice-compiled", "transformers")
 
 
 def scaled(workload: Workload, factor: float) -> Workload:
@@ -425,25 +437,32 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
     """Every (workload, engine) pair; engines that cannot run here (transformers not
     installed, no twin for this family) are skipped with a progress note."""
     say = progress or (lambda message: None)
-    eager = Engine(model, tokenizer)
-    compiled = None
+    engines_by_name: dict[str, Engine] = {}
+
+    def twice_engine(name: str) -> Engine:
+        if name not in engines_by_name:
+            engines_by_name[name] = Engine(model, tokenizer, compile=name == "twice-compiled",
+                                           native=name == "twice-native")
+        return engines_by_name[name]
+
     hf = None
     results: list[tuple[Workload, Run]] = []
     for w in workloads:
-        for name in engines or default_engines(w):
+        for name in engines or default_engines(w, model):
             if w.prompt_tokens + w.new_tokens > model.config.max_position_embeddings:
                 say(f"skip {w.name}/{name}: longer than the context")
                 continue
             say(f"{w.name}: {name} (P={w.prompt_tokens}, G={w.new_tokens}, batch {w.batch})")
             if name == "naive":
                 run = run_naive(model, w.prompt_tokens, w.new_tokens, repeats=1)
-            elif name in ("twice", "twice-compiled"):
-                if name == "twice-compiled" and w.batch > 1:
-                    continue  # the compiled path serves batch 1
-                if name == "twice-compiled" and compiled is None:
-                    compiled = Engine(model, tokenizer, compile=True)
-                run = run_twice(compiled if name == "twice-compiled" else eager, w.prompt_tokens, w.new_tokens,
-                                w.batch, repeats)
+            elif name.startswith("twice"):
+                if name in BATCH1_ONLY and w.batch > 1:
+                    continue  # the fast decode steps serve batch 1
+                engine = twice_engine(name)
+                if name == "twice-native" and not isinstance(engine.fast, NativeDecoder):
+                    say("skip twice-native: not available for this model or machine")
+                    continue
+                run = run_twice(engine, w.prompt_tokens, w.new_tokens, w.batch, repeats)
             else:
                 if hf is None:
                     try:

@@ -24,6 +24,8 @@ from .cache import KVCache
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
 from .errors import DeviceError, PromptError, TwiceError
 from .fastpath import CompiledDecoder, bucketed
+from .native_decode import NativeDecoder
+from .native_decode import supported as native_supported
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
 from .stopping import StopMatcher
@@ -127,6 +129,7 @@ class GenerationResult:
     dtype: str
     prefill_batch_tokens: int = 0  # tokens in the prefill pass this row was part of
     compile_seconds: float = 0.0  # torch.compile time spent before this request (not in TTFT)
+    decode_path: str = "eager"  # batch-1 decode step: native (kernels/decode.c) | compiled | eager
 
     @property
     def generated_tokens(self) -> int:
@@ -160,6 +163,7 @@ class GenerationResult:
             "generated_tokens": self.generated_tokens,
             "timings": {
                 "compile_s": self.compile_seconds,
+                "decode_path": self.decode_path,
                 "tokenize_s": self.tokenize_seconds,
                 "prefill_s": self.prefill_seconds,
                 "ttft_s": self.ttft_seconds,
@@ -228,11 +232,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
-                 compile: bool = False):
+                 compile: bool = False, native: bool = True):
         self.model = model
-        # The compiled batch-1 decode step (fastpath.py); None = eager everywhere. (Not
-        # under tensor parallelism: its all-reduces run in the eager layers.)
-        self.fast = CompiledDecoder(model) if compile and not model.shard.active else None
+        # The batch-1 decode step: native (one C call per token, llama family on the CPU,
+        # used wherever it applies), else compiled when asked (fastpath.py), else None =
+        # eager everywhere. (Neither under tensor parallelism: its all-reduces run in the
+        # eager layers.)
+        self.fast: NativeDecoder | CompiledDecoder | None = None
+        if native and native_supported(model):
+            self.fast = NativeDecoder(model)
+        elif compile and not model.shard.active:
+            self.fast = CompiledDecoder(model)
+        self.decode_path = ("native" if isinstance(self.fast, NativeDecoder)
+                            else "compiled" if self.fast else "eager")
         self.tokenizer = tokenizer
         self.config = model.config
         first = next(model.parameters())
@@ -377,7 +389,7 @@ class Engine:
         return min(settings.max_new_tokens, room)
 
     def _capacity(self, needed: int) -> int:
-        if self.fast:
+        if isinstance(self.fast, CompiledDecoder):
             return bucketed(needed)  # the compiled step is specialized per bucket
         rounded = -(-needed // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
         return max(needed, min(rounded, self.context_length))
@@ -500,4 +512,5 @@ class Engine:
             dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)),
             prefill_batch_tokens=batch_tokens,
             compile_seconds=row.compile_seconds,
+            decode_path=self.decode_path if cache.batch == 1 else "eager",
         )

@@ -22,10 +22,12 @@ import time
 
 import torch
 
+from . import kernels
 from .cache import KVCache
 from .gpt2 import GPT2Model
 from .model import CausalLM
 
+NATIVE = False  # set by CompiledDecoder: the native gemv kernel was built and loads
 CAPACITY_BUCKET = 256
 GEMV_BLOCK = 16  # rows reduced together: enough independent accumulators to keep the FMAs busy
 
@@ -35,10 +37,14 @@ def bucketed(capacity: int) -> int:
 
 
 def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x [1, in] @ weight.T (+ bias), accumulated in float32, for compiled code only."""
+    """x [1, in] @ weight.T (+ bias), accumulated in float32, for compiled code only: the
+    native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else one
+    fused inductor reduction."""
     w = linear.weight
     out, inn = w.shape
-    if out % GEMV_BLOCK:
+    if NATIVE and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+        y = torch.ops.twice.gemv(x, w)
+    elif out % GEMV_BLOCK:
         y = (w.float() * x.float()).sum(-1).view(1, out)
     else:
         y = (w.view(out // GEMV_BLOCK, GEMV_BLOCK, inn).float() * x.float().view(1, 1, inn)).sum(-1).view(1, out)
@@ -90,6 +96,8 @@ class CompiledDecoder:
     """Decode steps for batch-1 caches of `model`, compiled on first use."""
 
     def __init__(self, model: CausalLM):
+        global NATIVE
+        NATIVE = kernels.available()  # builds it once, before any graph is traced
         self.model = model
         self.gpt2 = isinstance(model, GPT2Model)
         block_fn = _gpt2_block if self.gpt2 else _llama_block

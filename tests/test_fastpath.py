@@ -17,7 +17,7 @@ def test_compiled_decode_matches_eager(model_dirs, family):
     ids = list(range(7, 31))  # 24 tokens: mistral's window of 12 is crossed
     settings = GenerationSettings(max_new_tokens=40, ignore_eos=True)
     eager = Engine(m.model, m.tokenizer, m.eos_token_ids)
-    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True)
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
     a = list(eager.generate(Request(ids=ids), settings))[-1].result
     b = list(fast.generate(Request(ids=ids), settings))[-1].result
     assert b.token_ids == a.token_ids
@@ -46,3 +46,31 @@ def test_compiled_step_logits_equal_eager_logits(model_dirs):
             tok = la.argmax(-1, keepdim=True)
     assert a.length == b.length
     assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (64, 576), (37, 1536), (3, 95)])
+def test_native_gemv_equals_matmul(dtype, shape):
+    from twice.core import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler here: the fast path uses inductor's reduction instead")
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    w = torch.randn(*shape, generator=g).to(dtype)
+    x = torch.randn(1, shape[1], generator=g).to(dtype)
+    want = x.float() @ w.float().T
+    got = torch.ops.twice.gemv(x, w)
+    assert got.dtype == torch.float32 and got.shape == (1, shape[0])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_decode_without_native_kernel_matches_eager(model_dirs, monkeypatch):
+    from twice.core import kernels
+
+    monkeypatch.setitem(kernels._STATE, "lib", None)  # as on a machine with no C compiler
+    m = load(str(model_dirs("llama3")), device="cpu", dtype="float32")
+    settings = GenerationSettings(max_new_tokens=12, ignore_eos=True)
+    ids = list(range(5, 20))
+    a = list(Engine(m.model, m.tokenizer, m.eos_token_ids).generate(Request(ids=ids), settings))[-1].result
+    b = list(Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False).generate(Request(ids=ids), settings))[-1].result
+    assert b.token_ids == a.token_ids

@@ -1,0 +1,119 @@
+"""Native kernels, compiled at first use with the system C compiler.
+
+`gemv` (gemv.c) is the matrix-vector product of batch-1 decode. It is registered as the
+torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other op.
+`decode_token` (decode.c) runs a whole llama-family decode token in one call
+(native_decode.py). When no C compiler is there, or it fails, `available()` is False and
+decode uses the eager or torch.compile'd path instead; nothing else changes.
+
+The shared library lands in <cache>/kernels/, named by a hash of the source, the flags
+and the machine, built into a temporary name and renamed, so concurrent first runs and
+CPU changes never load a wrong or half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_dir
+
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c")]
+_STATE: dict = {}
+
+
+def _libgomp() -> Path | None:
+    """torch's own OpenMP runtime: linking the kernel against it shares torch's thread pool
+    (two OpenMP runtimes would each spin their own threads on the same cores)."""
+    libdir = Path(torch.__file__).parent / "lib"
+    found = sorted(libdir.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        return None
+    flags = ["-O3", "-march=native", "-shared", "-fPIC"]
+    gomp = _libgomp()
+    if gomp is not None:
+        flags += ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", f"-l:{gomp.name}"]
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + " ".join(flags).encode() + platform.processor().encode()
+                         + _cpu_model().encode()).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    lib = folder / f"twice-kernels-{key}.so"
+    if not lib.is_file():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".twice-kernels-", suffix=".so")
+            os.close(fd)
+            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, timeout=120)
+            if result.returncode != 0:
+                os.unlink(tmp)
+                return None
+            os.replace(tmp, lib)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        handle = ctypes.CDLL(str(lib))
+    except OSError:
+        return None
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(handle, name).restype = None
+        getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int]
+    handle.decode_token.restype = ctypes.c_int
+    handle.decode_token.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    return handle
+
+
+def _cpu_model() -> str:
+    """The CPU's name and feature flags: a library built with -march=native for one CPU must
+    never be loaded on another (a missing instruction would kill the process)."""
+    seen: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in seen:
+                    seen[key] = line
+    except OSError:
+        pass
+    return "".join(seen.values())
+
+
+def library() -> ctypes.CDLL | None:
+    if "lib" not in _STATE:
+        _STATE["lib"] = _build() if os.environ.get("TWICE_NATIVE_KERNELS", "1") != "0" else None
+    return _STATE["lib"]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+@torch.library.custom_op("twice::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [1, in] (w's dtype) @ w [out, in].T → [1, out] float32, on the CPU."""
+    lib = library()
+    out, n = w.shape
+    y = torch.empty(1, out, dtype=torch.float32)
+    x = x.to(w.dtype).contiguous()
+    w = w.contiguous()  # a no-op for Linear weights; a view (a TP slice) is copied once
+    fn = lib.gemv_bf16 if w.dtype == torch.bfloat16 else lib.gemv_f32
+    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, torch.get_num_threads())
+    return y
+
+
+@gemv.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device)

@@ -1,0 +1,79 @@
+"""The native CPU decode step (kernels/decode.c) computes what the eager layers compute."""
+
+import pytest
+import torch
+
+from twice.core import kernels
+from twice.core.cache import KVCache
+from twice.core.engine import Engine, GenerationSettings, Request
+from twice.core.native_decode import NativeDecoder, supported
+from twice.weights.load import load
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
+
+# MHA + llama3 rope + tied head; GQA; sliding window; q/k/v bias; q/k norm with explicit head_dim
+FAMILIES = ["llama3", "llama", "mistral", "qwen2", "qwen3"]
+
+
+def _step_by_step(m, dtype, steps=30, capacity=64):
+    """Logits of eager and native decode from the same prefilled cache, token by token."""
+    native = NativeDecoder(m.model)
+    a = KVCache(m.config, 1, capacity, dtype, "cpu")
+    b = KVCache(m.config, 1, capacity, dtype, "cpu")
+    ids = torch.tensor([list(range(3, 20))])
+    worst, gap = 0.0, 0.0
+    with torch.inference_mode():
+        m.model(ids, a)
+        m.model(ids, b)
+        tok = torch.tensor([[42]])
+        for _ in range(steps):
+            la, lb = m.model(tok, a).float(), native(tok, b)
+            worst = max(worst, (la - lb).abs().max().item())
+            # How much worse, by eager's logits, native's greedy choice is (0 = the same token).
+            gap = max(gap, (la.max() - la[0, lb.argmax()]).item())
+            tok = la.argmax(-1, keepdim=True)
+    assert a.length == b.length == 17 + steps
+    return worst, gap, a, b
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_logits_equal_eager_float32(model_dirs, family):
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    assert supported(m.model)
+    worst, gap, a, b = _step_by_step(m, torch.float32)  # 47 tokens: mistral's window of 12 is crossed
+    assert worst < 1e-4 and gap == 0
+    assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)
+    assert torch.allclose(a.v[:, :, :, : a.length], b.v[:, :, :, : b.length], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_native_logits_track_eager_bfloat16(model_dirs, family):
+    m = load(str(model_dirs(family)), device="cpu", dtype="bfloat16")
+    worst, gap, _, _ = _step_by_step(m, torch.bfloat16, steps=10)
+    # Both round to bf16 at the same points; only summation order differs, so greedy
+    # choices differ at most between near-tied tokens (random tiny models have many).
+    assert worst < 0.05 and gap <= worst
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_engine_native_decode_matches_eager_engine(model_dirs, family, monkeypatch):
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    settings = GenerationSettings(max_new_tokens=40, ignore_eos=True)
+    ids = list(range(7, 31))
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    assert isinstance(fast.fast, NativeDecoder)  # the default on the CPU
+    monkeypatch.setitem(kernels._STATE, "lib", None)
+    eager = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    assert eager.fast is None
+    a = list(eager.generate(Request(ids=ids), settings))[-1].result
+    b = list(fast.generate(Request(ids=ids), settings))[-1].result
+    assert b.token_ids == a.token_ids
+    more = ids + b.token_ids + [9, 10, 11]  # a second turn reuses the cache
+    a2 = list(eager.generate(Request(ids=more), settings))[-1].result
+    b2 = list(fast.generate(Request(ids=more), settings))[-1].result
+    assert b2.token_ids == a2.token_ids and b2.reused_tokens == a2.reused_tokens > 0
+
+
+def test_gpt2_and_float16_stay_in_pytorch(model_dirs):
+    assert not supported(load(str(model_dirs("gpt2")), device="cpu", dtype="float32").model)
+    assert not supported(load(str(model_dirs("llama")), device="cpu", dtype="float16").model)
