@@ -408,7 +408,7 @@ WORKLOADS = {
 # twice: the eager PyTorch layers; twice-native: the one-call C decode step (CPU, llama
 # family: what `twice generate` uses there); twice-compiled: the torch.compile'd step.
 ENGINES = ("naive", "transformers", "transformers-static", "twice", "twice-native", "twice-compiled")
-BATCH1_ONLY = ("twice-native", "twice-compiled")
+BATCH1_ONLY = ("twice-compiled",)
 
 
 def engine_name(engine: Engine) -> str:
@@ -420,9 +420,9 @@ def engine_name(engine: Engine) -> str:
 def default_engines(workload: Workload, model: CausalLM | None = None) -> tuple[str, ...]:
     if workload.name == "naive":
         return ("naive", "twice", "transformers")
-    if workload.batch > 1:
-        return ("twice", "transformers")
     native = ("twice-native",) if model is not None and native_supported(model) else ()
+    if workload.batch > 1:
+        return ("twice", *native, "transformers")
     return ("twice", *native, "twice-compiled", "transformers")
 
 
@@ -457,7 +457,7 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
                 run = run_naive(model, w.prompt_tokens, w.new_tokens, repeats=1)
             elif name.startswith("twice"):
                 if name in BATCH1_ONLY and w.batch > 1:
-                    continue  # the fast decode steps serve batch 1
+                    continue  # the compiled step serves batch 1
                 engine = twice_engine(name)
                 if name == "twice-native" and not isinstance(engine.fast, NativeDecoder):
                     say("skip twice-native: not available for this model or machine")

@@ -129,7 +129,7 @@ class GenerationResult:
     dtype: str
     prefill_batch_tokens: int = 0  # tokens in the prefill pass this row was part of
     compile_seconds: float = 0.0  # torch.compile time spent before this request (not in TTFT)
-    decode_path: str = "eager"  # batch-1 decode step: native (kernels/decode.c) | compiled | eager
+    decode_path: str = "eager"  # decode step: native (kernels/decode.c) | compiled | eager
 
     @property
     def generated_tokens(self) -> int:
@@ -161,9 +161,9 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated_tokens,
+            "decode_path": self.decode_path,
             "timings": {
                 "compile_s": self.compile_seconds,
-                "decode_path": self.decode_path,
                 "tokenize_s": self.tokenize_seconds,
                 "prefill_s": self.prefill_seconds,
                 "ttft_s": self.ttft_seconds,
@@ -234,9 +234,9 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
                  compile: bool = False, native: bool = True):
         self.model = model
-        # The batch-1 decode step: native (one C call per token, llama family on the CPU,
-        # used wherever it applies), else compiled when asked (fastpath.py), else None =
-        # eager everywhere. (Neither under tensor parallelism: its all-reduces run in the
+        # The decode step: native (one C call per step, llama family on the CPU, any batch,
+        # used wherever it applies), else compiled when asked (fastpath.py, batch 1), else
+        # None = eager everywhere. (Neither under tensor parallelism: its all-reduces run in the
         # eager layers.)
         self.fast: NativeDecoder | CompiledDecoder | None = None
         if native and native_supported(model):
@@ -512,5 +512,5 @@ class Engine:
             dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)),
             prefill_batch_tokens=batch_tokens,
             compile_seconds=row.compile_seconds,
-            decode_path=self.decode_path if cache.batch == 1 else "eager",
+            decode_path=self.decode_path if self.fast and self.fast.supports(cache) else "eager",
         )

@@ -1,4 +1,4 @@
-"""The CPU fast path for batch-1 decode of llama-family models: one native call per token.
+"""The CPU fast path for decode of llama-family models: one native call per step.
 
 A 135M-parameter model reads its weights in about 8 ms per token on a laptop-class core
 pair; run as ~300 PyTorch ops (or 30 compiled graphs) a token costs twice that, the rest
@@ -7,7 +7,8 @@ own tensors (weights, rotary tables and the KV cache are shared, never copied), 
 engine's prefill, cache reuse, sampling and stopping stay exactly as they are.
 
 It takes the same interface as fastpath.CompiledDecoder (supports / warmup / __call__),
-needs no warm-up, and works for any cache capacity.
+needs no warm-up, and works for any cache capacity and any batch (rows left-padded as
+the cache holds them): a batch reads each weight once for all its rows.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ class NativeDecoder:
         self.final_norm = _pointer(model.norm.weight)
         self.head = _pointer(model.lm_head_weight)
         self.embed = model.embed_tokens.weight
-        self.row_bytes = self.embed.stride(0) * self.embed.element_size()
+        _pointer(self.embed)
 
     def supports(self, cache: KVCache) -> bool:
-        return cache.batch == 1 and cache.k.dtype == self.dtype and cache.k.is_contiguous()
+        return cache.k.dtype == self.dtype and cache.k.is_contiguous() and cache.v.is_contiguous()
 
     def is_warm(self, cache: KVCache) -> bool:
         return True
@@ -100,23 +101,24 @@ class NativeDecoder:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [1, 1] at column cache.length → logits [1, V] float32; advances the cache."""
-        column = cache.length
+        """tokens [B, 1] at column cache.length → logits [B, V] float32; advances the cache."""
+        column, rows = cache.length, cache.batch
         if column >= cache.capacity:
             raise ValueError(f"cache holds {cache.capacity} tokens; {column} + 1 do not fit")
-        start = int(cache.starts[0]) if cache.starts is not None else 0
-        position = column - start
+        ids = tokens.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() != rows:
+            raise ValueError(f"{ids.numel()} tokens for a cache of {rows} rows")
+        vocab = self.embed.shape[0]
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"a token id is outside the vocabulary of {vocab}")
+        starts = cache.starts.to(torch.int64).contiguous() if cache.starts is not None else None
         rope = self.model.rope
-        rope.ensure(position + 1)
-        cos, sin = rope.cos[position], rope.sin[position]
-        token = int(tokens.reshape(-1)[0])
-        if not 0 <= token < self.embed.shape[0]:
-            raise ValueError(f"token id {token} is outside the vocabulary of {self.embed.shape[0]}")
-        logits = torch.empty(1, self.dims.vocab, dtype=torch.float32)
-        status = self.lib.decode_token(
-            ctypes.byref(self.dims), self.layers, self.final_norm, self.head,
-            self.embed.data_ptr() + token * self.row_bytes, cos.data_ptr(), sin.data_ptr(),
-            cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, column, start, logits.data_ptr(),
+        rope.ensure(column + 1)  # positions are column - start ≤ column
+        logits = torch.empty(rows, self.dims.vocab, dtype=torch.float32)
+        status = self.lib.decode_step(
+            ctypes.byref(self.dims), self.layers, self.final_norm, self.head, self.embed.data_ptr(),
+            ids.data_ptr(), rows, rope.cos.data_ptr(), rope.sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+            cache.capacity, column, starts.data_ptr() if starts is not None else None, logits.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:

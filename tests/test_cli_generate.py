@@ -85,6 +85,7 @@ def test_json_has_model_settings_text_counts_timings_and_cache(capsys, llama):
     assert d["generated_tokens"] == len(d["token_ids"]) and 1 <= d["generated_tokens"] <= 7
     assert d["finish_reason"] in ("length", "eos")
     assert d["reused_tokens"] == 0 and d["prompt_tokens"] > 10
+    assert d["decode_path"] in ("native", "eager")  # native where the C kernels build
     t = d["timings"]
     assert TIMING_KEYS <= set(t)  # the engine may report more (compile time)
     assert all(isinstance(t[k], float) and t[k] >= 0 for k in set(t) - {"step_s"})

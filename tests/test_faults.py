@@ -315,6 +315,7 @@ def small_device(monkeypatch):
     import torch
 
     from twice.core.model import CausalLM
+    from twice.core.native_decode import NativeDecoder
 
     real = CausalLM.forward
     device = {"rows": 2, "decode_only": False, "seen": []}
@@ -327,6 +328,15 @@ def small_device(monkeypatch):
         return real(self, input_ids, cache, *args, **kwargs)
 
     monkeypatch.setattr(CausalLM, "forward", forward)
+    real_native = NativeDecoder.__call__
+
+    def native_step(self, tokens, cache):  # decode steps taken by the native kernel
+        device["seen"].append(tuple(tokens.shape))
+        if tokens.shape[0] > device["rows"]:
+            raise MemoryError("native decode could not allocate its scratch buffers (simulated)")
+        return real_native(self, tokens, cache)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", native_step)
     return device
 
 

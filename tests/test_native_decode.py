@@ -77,3 +77,57 @@ def test_engine_native_decode_matches_eager_engine(model_dirs, family, monkeypat
 def test_gpt2_and_float16_stay_in_pytorch(model_dirs):
     assert not supported(load(str(model_dirs("gpt2")), device="cpu", dtype="float32").model)
     assert not supported(load(str(model_dirs("llama")), device="cpu", dtype="float16").model)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "llama"])
+def test_native_batch_equals_eager_batch(model_dirs, family):
+    """Left-padded rows of different lengths, rows finishing at different steps."""
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    prompts = [list(range(3, 8)), list(range(10, 33)), list(range(40, 51))]
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in (20, 12, 16)]
+
+    def run(native: bool) -> dict:
+        engine = Engine(m.model, m.tokenizer, m.eos_token_ids, native=native)
+        return {e.row: e.result for e in engine.generate_batch([Request(ids=p) for p in prompts], settings)
+                if type(e).__name__ == "Done"}
+
+    fast, eager = run(True), run(False)
+    assert [fast[i].token_ids for i in range(3)] == [eager[i].token_ids for i in range(3)]
+    assert {fast[i].decode_path for i in range(3)} == {"native"}
+    assert {eager[i].decode_path for i in range(3)} == {"eager"}
+
+
+def test_native_step_logits_for_a_padded_batch(model_dirs):
+    m = load(str(model_dirs("qwen2")), device="cpu", dtype="float32")
+    native = NativeDecoder(m.model)
+    caches = []
+    for _ in range(2):
+        c = KVCache(m.config, 2, 64, torch.float32, "cpu")
+        c.starts = torch.tensor([4, 0])  # row 0: 4 columns of padding
+        caches.append(c)
+    ids = torch.tensor([[0, 0, 0, 0] + list(range(5, 15)), list(range(20, 34))])
+    with torch.inference_mode():
+        for c in caches:
+            m.model(ids, c)
+        tok = torch.tensor([[7], [9]])
+        for _ in range(6):
+            la, lb = m.model(tok, caches[0]).float(), native(tok, caches[1])
+            assert (la - lb).abs().max() < 1e-4
+            tok = la.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,out,n", [(1, 7, 33), (4, 8, 64), (5, 13, 64), (9, 64, 576), (16, 6, 96), (3, 4, 32)])
+def test_native_gemm_equals_matmul(dtype, rows, out, n):
+    """The batched kernel's register tiles and its edges (rows, outputs or width not a
+    multiple of the tile)."""
+    import ctypes
+
+    lib = kernels.library()
+    g = torch.Generator().manual_seed(rows * 100 + out + n)
+    w = torch.randn(out, n, generator=g).to(dtype)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    y = torch.empty(rows, out)
+    fn = lib.gemm_bf16 if dtype == torch.bfloat16 else lib.gemm_f32
+    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, rows, ctypes.c_int(2))
+    assert torch.allclose(y, x.float() @ w.float().T, rtol=1e-4, atol=1e-4)

@@ -2,7 +2,7 @@
 
 `gemv` (gemv.c) is the matrix-vector product of batch-1 decode. It is registered as the
 torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other op.
-`decode_token` (decode.c) runs a whole llama-family decode token in one call
+`decode_step` (decode.c) runs a whole llama-family decode step in one call
 (native_decode.py). When no C compiler is there, or it fails, `available()` is False and
 decode uses the eager or torch.compile'd path instead; nothing else changes.
 
@@ -71,8 +71,13 @@ def _build() -> ctypes.CDLL | None:
         getattr(handle, name).restype = None
         getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_int]
-    handle.decode_token.restype = ctypes.c_int
-    handle.decode_token.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+    for name in ("gemm_f32", "gemm_bf16"):
+        getattr(handle, name).restype = None
+        getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    handle.decode_step.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, p, ctypes.c_int]
     return handle
 
 

@@ -1,5 +1,6 @@
-/* One decode token of a llama-family model, batch 1, on the CPU: every layer and the head
- * in one call, so a token costs one trip from Python instead of hundreds of small ops.
+/* One decode step of a llama-family model on the CPU, for a batch of rows: every layer
+ * and the head in one call, so a step costs one trip from Python instead of hundreds of
+ * small ops.
  *
  * Decode is memory-bound: the time goes to reading each weight once (gemv.c). What this
  * file removes is everything around those reads: per-op dispatch, graph guards and
@@ -15,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-void gemv_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int threads);
-void gemv_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int threads);
+void gemm_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
+void gemm_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
@@ -56,17 +57,50 @@ static inline void store(const Dims *d, void *p, int64_t i, float f) {
     else ((float *)p)[i] = f;
 }
 
-/* y = rnd(W x + b): x is already representable in the model dtype; `xw` is scratch for it
- * in that dtype (the bf16 kernel multiplies bf16 by bf16). */
+/* y = rnd(W x + b) for `rows` vectors x [rows, n] → y [rows, out]. x is already
+ * representable in the model dtype; `xw` is scratch for it in that dtype (the bf16 kernel
+ * multiplies bf16 by bf16). */
 static void linear(const Dims *d, const void *w, const void *b, const float *x, int64_t n, int64_t out,
-                   float *y, uint16_t *xw, int threads) {
+                   int64_t rows, float *y, uint16_t *xw, int threads) {
     if (d->bf16) {
-        for (int64_t i = 0; i < n; i++) xw[i] = to_bf16(x[i]);
-        gemv_bf16((const uint16_t *)w, xw, y, out, n, threads);
+        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+        for (int64_t i = 0; i < rows * n; i++) xw[i] = to_bf16(x[i]);
+        gemm_bf16((const uint16_t *)w, xw, y, out, n, rows, threads);
     } else {
-        gemv_f32((const float *)w, x, y, out, n, threads);
+        gemm_f32((const float *)w, x, y, out, n, rows, threads);
     }
-    for (int64_t i = 0; i < out; i++) y[i] = rnd(d, b ? y[i] + load(d, b, i) : y[i]);
+    #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < out; i++) {
+            float v = y[r * out + i];
+            y[r * out + i] = rnd(d, b ? v + load(d, b, i) : v);
+        }
+}
+
+/* q · one cached key, and out += p · one cached value: the dtype branch sits outside the
+ * loops so the compiler vectorizes them (attention reads rows × heads × tokens of these). */
+static float dot_cached(const Dims *d, const float *q, const void *cache, int64_t at, int64_t n) {
+    float s = 0.0f;
+    if (d->bf16) {
+        const uint16_t *c = (const uint16_t *)cache + at;
+        #pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < n; i++) s += q[i] * from_bf16(c[i]);
+    } else {
+        const float *c = (const float *)cache + at;
+        #pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < n; i++) s += q[i] * c[i];
+    }
+    return s;
+}
+
+static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, int64_t n, float *out) {
+    if (d->bf16) {
+        const uint16_t *c = (const uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) out[i] += p * from_bf16(c[i]);
+    } else {
+        const float *c = (const float *)cache + at;
+        for (int64_t i = 0; i < n; i++) out[i] += p * c[i];
+    }
 }
 
 /* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype. */
@@ -78,94 +112,110 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
 }
 
 /* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. */
-static void rope(const Dims *d, float *x, const void *cos, const void *sin) {
-    int64_t h = d->head_dim / 2;
+static void rope(const Dims *d, float *x, const void *cos, const void *sin, int64_t row) {
+    const int64_t D = d->head_dim, h = D / 2;
     float tmp[1024];
-    for (int64_t i = 0; i < d->head_dim; i++) {
+    for (int64_t i = 0; i < D; i++) {
         float rot = i < h ? -x[i + h] : x[i - h];
-        tmp[i] = rnd(d, rnd(d, x[i] * load(d, cos, i)) + rnd(d, rot * load(d, sin, i)));
+        tmp[i] = rnd(d, rnd(d, x[i] * load(d, cos, row * D + i)) + rnd(d, rot * load(d, sin, row * D + i)));
     }
-    memcpy(x, tmp, (size_t)d->head_dim * sizeof(float));
+    memcpy(x, tmp, (size_t)D * sizeof(float));
 }
 
-/* Returns 0, or -1 when a scratch allocation failed (nothing was written then). */
-int decode_token(const Dims *d, const Layer *layers, const void *final_norm, const void *head,
-                 const void *embed_row, const void *cos, const void *sin, void *k_cache, void *v_cache,
-                 int64_t capacity, int64_t column, int64_t start, float *logits, int threads) {
+/* One step for `rows` rows sharing cache column `column`; row r holds padding before
+ * starts[r] (NULL: no padding) and its token tokens[r] sits at position column - starts[r].
+ * cos/sin: the rotary tables [positions, head_dim]. Caches: [layers, rows, kv_heads,
+ * capacity, head_dim] in the model dtype. logits: [rows, vocab] float32.
+ * Returns 0, or -1 when a scratch allocation failed (nothing was written then). */
+int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const void *head,
+                const void *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
+                void *k_cache, void *v_cache, int64_t capacity, int64_t column, const int64_t *starts,
+                float *logits, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
-    const int64_t widest = (2 * d->inter > q_size + 2 * kv_size ? 2 * d->inter : q_size + 2 * kv_size);
-    const int64_t wide_in = (d->inter > H ? d->inter : (q_size > H ? q_size : H));
+    const int64_t qkv = q_size + 2 * kv_size;
+    const int64_t widest = 2 * d->inter > qkv ? 2 * d->inter : qkv;
+    const int64_t wide_in = d->inter > H ? (d->inter > q_size ? d->inter : q_size) : (H > q_size ? H : q_size);
     const int64_t el = d->bf16 ? 2 : 4;
-    if (D > 1024) return -1;
-    float *x = malloc(sizeof(float) * H), *xn = malloc(sizeof(float) * H), *t = malloc(sizeof(float) * H);
-    float *big = malloc(sizeof(float) * widest), *att = malloc(sizeof(float) * (q_size + d->inter));
-    uint16_t *xw = malloc(sizeof(uint16_t) * wide_in);
-    float *scores = malloc(sizeof(float) * d->heads * capacity);
+    if (D > 1024 || rows < 1) return -1;
+    float *x = malloc(sizeof(float) * rows * H), *xn = malloc(sizeof(float) * rows * H);
+    float *t = malloc(sizeof(float) * rows * H), *big = malloc(sizeof(float) * rows * widest);
+    float *att = malloc(sizeof(float) * rows * (q_size > d->inter ? q_size : d->inter));
+    uint16_t *xw = malloc(sizeof(uint16_t) * rows * wide_in);
+    float *scores = malloc(sizeof(float) * rows * d->heads * capacity);
     if (!x || !xn || !t || !big || !att || !xw || !scores) {
         free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores);
         return -1;
     }
-    for (int64_t i = 0; i < H; i++) x[i] = load(d, embed_row, i);
-    const int64_t layer_elems = d->kv_heads * capacity * D;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < H; i++) x[r * H + i] = load(d, embed, tokens[r] * H + i);
+    const int64_t row_elems = d->kv_heads * capacity * D; /* one row of one layer's cache */
     const int64_t group = d->heads / d->kv_heads;
 
     for (int64_t l = 0; l < d->layers; l++) {
         const Layer *L = &layers[l];
-        char *kc = (char *)k_cache + l * layer_elems * el, *vc = (char *)v_cache + l * layer_elems * el;
+        char *kl = (char *)k_cache + l * rows * row_elems * el, *vl = (char *)v_cache + l * rows * row_elems * el;
 
-        rms_norm(d, x, L->in_norm, H, xn);
-        linear(d, L->qkv, L->qkv_bias, xn, H, q_size + 2 * kv_size, big, xw, threads);
-        float *q = big, *k = big + q_size, *v = big + q_size + kv_size;
-        for (int64_t h = 0; h < d->heads; h++) {
-            if (L->q_norm) { rms_norm(d, q + h * D, L->q_norm, D, t); memcpy(q + h * D, t, D * sizeof(float)); }
-            rope(d, q + h * D, cos, sin);
-        }
-        for (int64_t h = 0; h < d->kv_heads; h++) {
-            if (L->k_norm) { rms_norm(d, k + h * D, L->k_norm, D, t); memcpy(k + h * D, t, D * sizeof(float)); }
-            rope(d, k + h * D, cos, sin);
-            for (int64_t i = 0; i < D; i++) {
-                store(d, kc, (h * capacity + column) * D + i, k[h * D + i]);
-                store(d, vc, (h * capacity + column) * D + i, v[h * D + i]);
+        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->in_norm, H, xn + r * H);
+        linear(d, L->qkv, L->qkv_bias, xn, H, qkv, rows, big, xw, threads);
+        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float nt[1024];
+            float *q = big + r * qkv, *k = q + q_size, *v = q + q_size + kv_size;
+            const int64_t position = column - (starts ? starts[r] : 0);
+            char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
+            for (int64_t h = 0; h < d->heads; h++) {
+                if (L->q_norm) { rms_norm(d, q + h * D, L->q_norm, D, nt); memcpy(q + h * D, nt, D * sizeof(float)); }
+                rope(d, q + h * D, cos, sin, position);
+            }
+            for (int64_t h = 0; h < d->kv_heads; h++) {
+                if (L->k_norm) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
+                rope(d, k + h * D, cos, sin, position);
+                for (int64_t i = 0; i < D; i++) {
+                    store(d, kc, (h * capacity + column) * D + i, k[h * D + i]);
+                    store(d, vc, (h * capacity + column) * D + i, v[h * D + i]);
+                }
             }
         }
-        /* Columns [lo, column] are visible: from the row's first real token, inside the window. */
-        int64_t lo = start;
-        if (L->window > 0 && column - L->window + 1 > lo) lo = column - L->window + 1;
-        const int64_t n = column - lo + 1;
+        /* Row r sees columns [lo, column]: from its first real token, inside the window. */
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t h = 0; h < d->heads; h++) {
-            const int64_t g = h / group;
-            const float *qh = q + h * D;
-            float *s = scores + h * capacity, m = -INFINITY, sum = 0.0f;
+        for (int64_t rh = 0; rh < rows * d->heads; rh++) {
+            const int64_t r = rh / d->heads, h = rh % d->heads, g = h / group;
+            int64_t lo = starts ? starts[r] : 0;
+            if (L->window > 0 && column - L->window + 1 > lo) lo = column - L->window + 1;
+            const int64_t n = column - lo + 1;
+            const char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
+            const float *qh = big + r * qkv + h * D;
+            float *s = scores + rh * capacity, m = -INFINITY, sum = 0.0f;
             for (int64_t j = 0; j < n; j++) {
-                float dot = 0.0f;
-                for (int64_t i = 0; i < D; i++) dot += qh[i] * load(d, kc, (g * capacity + lo + j) * D + i);
-                s[j] = dot * d->scale;
+                s[j] = dot_cached(d, qh, kc, (g * capacity + lo + j) * D, D) * d->scale;
                 if (s[j] > m) m = s[j];
             }
             for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
-            float *oh = att + h * D;
+            float *oh = att + r * q_size + h * D;
             for (int64_t i = 0; i < D; i++) oh[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const float p = s[j] / sum;
-                for (int64_t i = 0; i < D; i++) oh[i] += p * load(d, vc, (g * capacity + lo + j) * D + i);
-            }
+            for (int64_t j = 0; j < n; j++) axpy_cached(d, s[j] / sum, vc, (g * capacity + lo + j) * D, D, oh);
             for (int64_t i = 0; i < D; i++) oh[i] = rnd(d, oh[i]);
         }
-        linear(d, L->o, L->o_bias, att, q_size, H, t, xw, threads);
-        for (int64_t i = 0; i < H; i++) x[i] = rnd(d, x[i] + t[i]);
+        linear(d, L->o, L->o_bias, att, q_size, H, rows, t, xw, threads);
+        for (int64_t i = 0; i < rows * H; i++) x[i] = rnd(d, x[i] + t[i]);
 
-        rms_norm(d, x, L->post_norm, H, xn);
-        linear(d, L->gate_up, L->gate_up_bias, xn, H, 2 * d->inter, big, xw, threads);
-        for (int64_t i = 0; i < d->inter; i++) {
-            const float g = big[i];
-            att[i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * big[d->inter + i]);
+        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->post_norm, H, xn + r * H);
+        linear(d, L->gate_up, L->gate_up_bias, xn, H, 2 * d->inter, rows, big, xw, threads);
+        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *gu = big + r * 2 * d->inter;
+            for (int64_t i = 0; i < d->inter; i++) {
+                const float g = gu[i];
+                att[r * d->inter + i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[d->inter + i]);
+            }
         }
-        linear(d, L->down, L->down_bias, att, d->inter, H, t, xw, threads);
-        for (int64_t i = 0; i < H; i++) x[i] = rnd(d, x[i] + t[i]);
+        linear(d, L->down, L->down_bias, att, d->inter, H, rows, t, xw, threads);
+        for (int64_t i = 0; i < rows * H; i++) x[i] = rnd(d, x[i] + t[i]);
     }
-    rms_norm(d, x, final_norm, H, xn);
-    linear(d, head, NULL, xn, H, d->vocab, logits, xw, threads);
+    for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
+    linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, threads);
     free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores);
     return 0;
 }

@@ -77,3 +77,74 @@ void gemv_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int6
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o++) y[o] = dot_bf16(w + o * n, x, n);
 }
+
+/* The same for `rows` vectors at once (batched decode): x [rows, n] → y [rows, out].
+ * Tiles of 4 weight rows × 4 vectors keep 16 accumulators in registers: every weight
+ * vector loaded feeds 4 FMAs and every x vector 4, so a batch reads each weight from
+ * memory once and stays compute-bound instead of load-bound. Edges use the dot loops. */
+/* Four interleaved row streams, each only a few cache lines long, are too short for the
+ * hardware prefetcher: each tile prefetches, as one sequential run, the weight rows of the
+ * tile PREFETCH_TILES ahead (prefetches past the end are harmless). */
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 1
+#endif
+#ifdef __AVX512F__
+static void tile_f32(const float *w, const float *x, float *y, int64_t out, int64_t n) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++) for (int b = 0; b < 4; b++) a[r][b] = _mm512_setzero_ps();
+    const char *next = (const char *)(w + PREFETCH_TILES * 4 * n);
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 xv[4], wv;
+        for (int k = 0; k < 4; k++) _mm_prefetch(next + (i * 4 + k * 16) * 4, _MM_HINT_T0);
+        for (int b = 0; b < 4; b++) xv[b] = _mm512_loadu_ps(x + b * n + i);
+        for (int r = 0; r < 4; r++) {
+            wv = _mm512_loadu_ps(w + r * n + i);
+            for (int b = 0; b < 4; b++) a[r][b] = _mm512_fmadd_ps(wv, xv[b], a[r][b]);
+        }
+    }
+    for (int r = 0; r < 4; r++) for (int b = 0; b < 4; b++) y[b * out + r] = _mm512_reduce_add_ps(a[r][b]);
+}
+#endif
+#ifdef __AVX512BF16__
+static void tile_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++) for (int b = 0; b < 4; b++) a[r][b] = _mm512_setzero_ps();
+    const char *next = (const char *)(w + PREFETCH_TILES * 4 * n);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512bh xv[4], wv;
+        for (int k = 0; k < 4; k++) _mm_prefetch(next + (i * 4 + k * 32) * 2, _MM_HINT_T0);
+        for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_loadu_si512(x + b * n + i);
+        for (int r = 0; r < 4; r++) {
+            wv = (__m512bh)_mm512_loadu_si512(w + r * n + i);
+            for (int b = 0; b < 4; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], wv, xv[b]);
+        }
+    }
+    for (int r = 0; r < 4; r++) for (int b = 0; b < 4; b++) y[b * out + r] = _mm512_reduce_add_ps(a[r][b]);
+}
+#endif
+
+void gemm_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int64_t rows, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o += 4) {
+        int64_t b = 0;
+#ifdef __AVX512F__
+        if (o + 4 <= out && n % 16 == 0)
+            for (; b + 4 <= rows; b += 4) tile_f32(w + o * n, x + b * n, y + b * out + o, out, n);
+#endif
+        for (int64_t r = o; r < o + 4 && r < out; r++)
+            for (int64_t c = b; c < rows; c++) y[c * out + r] = dot_f32(w + r * n, x + c * n, n);
+    }
+}
+
+void gemm_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int64_t rows, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o += 4) {
+        int64_t b = 0;
+#ifdef __AVX512BF16__
+        if (o + 4 <= out && n % 32 == 0)
+            for (; b + 4 <= rows; b += 4) tile_bf16(w + o * n, x + b * n, y + b * out + o, out, n);
+#endif
+        for (int64_t r = o; r < o + 4 && r < out; r++)
+            for (int64_t c = b; c < rows; c++) y[c * out + r] = dot_bf16(w + r * n, x + c * n, n);
+    }
+}
