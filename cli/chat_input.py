@@ -83,11 +83,37 @@ class TerminalReader:
                                      prompt_continuation=lambda width, line, wrap: CONTINUATION.rjust(width))
 
     def read(self) -> str | None:
+        saved = _terminal_state()
         try:
             text = self.session.prompt(PROMPT)
         except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line
             return None
+        except BaseException:
+            # SIGTERM/SIGHUP unwind from wherever prompt-toolkit is, possibly past its own
+            # raw-mode cleanup: put the terminal back as it was before the prompt.
+            _restore_terminal(saved)
+            raise
         return finish_input(text)
+
+
+def _terminal_state():
+    try:
+        import termios
+
+        return termios.tcgetattr(sys.stdin.fileno())
+    except Exception:  # termios.error is not an OSError; no terminal: nothing to do
+        return None
+
+
+def _restore_terminal(saved) -> None:
+    if saved is None:
+        return
+    try:
+        import termios
+
+        termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, saved)
+    except Exception:  # termios.error is not an OSError; no terminal: nothing to do
+        pass
 
 
 class PlainReader:
