@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_llamacpp  # noqa: E402  (scripts/peer_llamacpp.py, beside this file)
+
 
 def run_one(subject: dict, dtype: str, args, out_dir: Path) -> dict:
     tag = f"{subject['label']}-{dtype}".replace("/", "_")
@@ -41,6 +44,35 @@ def run_one(subject: dict, dtype: str, args, out_dir: Path) -> dict:
     data = json.loads(json_path.read_text())
     data["label"], data["wall_s"] = subject["label"], time.time() - t
     return data
+
+
+def add_peer(data: dict, subject: dict, dtype: str, args, out_dir: Path) -> None:
+    """llama.cpp on a GGUF of the same folder at the same precision, same threads, appended
+    to this run's results with its ratios against transformers (scripts/peer_llamacpp.py)."""
+    from twice.weights.resolve import default_model
+
+    if subject.get("shape"):
+        return  # random weights exist only inside `twice bench`
+    folder = Path(subject["model"]) if subject.get("model") else default_model()
+    if not (folder / "config.json").is_file():
+        print(f"skip llama.cpp for {subject['label']}: not a local model folder", file=sys.stderr)
+        return
+    gguf = peer_llamacpp.make_gguf(folder, dtype, args.llama_convert, out_dir)
+    peer_json = out_dir / f"{gguf.stem}-llamacpp.json"
+    threads = args.threads or data["bandwidth"]["threads"]
+    workloads = ",".join(w for w in args.workloads.split(",") if w in peer_llamacpp.WORKLOADS)
+    subprocess.run([sys.executable, str(Path(peer_llamacpp.__file__)), str(gguf), "--threads", str(threads),
+                    "--workloads", workloads, "--repeats", str(args.repeats), "--json", str(peer_json)], check=True)
+    hf = {r["workload"]: r for r in data["results"] if r["engine"] == "transformers"}
+    read = data["bandwidth"]["read_bytes_per_s"] if data.get("bandwidth") else None
+    for r in json.loads(peer_json.read_text()):
+        base = hf.get(r["workload"])
+        if base:
+            r["decode_vs_transformers"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            r["prefill_vs_transformers"] = r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+            if read:  # the same bytes per step as transformers reads (same weights, same dtype)
+                r["fraction_of_bandwidth"] = base["bytes_read_per_step"] * r["decode_tokens_per_s"] / read
+        data["results"].append(r)
 
 
 def markdown(runs: list[dict]) -> str:
@@ -78,13 +110,25 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder for JSON, plots and table (default: a temp folder)")
     p.add_argument("--plot", action="store_true", help="draw per-token latency plots (needs matplotlib)")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="also run llama.cpp (llama-cpp-python) on a GGUF of the same weights and precision")
+    p.add_argument("--llama-convert", type=Path, default=None,
+                   help="llama.cpp's convert_hf_to_gguf.py (in the llama-cpp-python sdist), for --peer")
     args = p.parse_args()
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="twice-bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     subjects = [{"label": "SmolLM2-135M" if m == "default" else m, "model": None if m == "default" else m}
                 for m in args.models.split(",") if m]
     subjects += [{"label": f"{s} (random)", "shape": s} for s in args.shapes.split(",") if s]
-    runs = [run_one(subject, dtype, args, out_dir) for subject in subjects for dtype in args.dtypes.split(",")]
+    if args.peer and not (args.llama_convert and args.llama_convert.is_file()):
+        p.error("--peer llama.cpp needs --llama-convert PATH/convert_hf_to_gguf.py")
+    runs = []
+    for subject in subjects:
+        for dtype in args.dtypes.split(","):
+            data = run_one(subject, dtype, args, out_dir)
+            if args.peer:
+                add_peer(data, subject, dtype, args, out_dir)
+            runs.append(data)
     (out_dir / "all.json").write_text(json.dumps(runs, indent=1))
     table = markdown(runs)
     (out_dir / "table.md").write_text(table + "\n")
