@@ -29,7 +29,9 @@ TensorParallel = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel degree: shard the model over this many processes (run under torchrun "
                  "--nproc-per-node N). Default 1.")]
 Compile = Annotated[bool, typer.Option("--compile", help="Compile the batch-1 decode step with torch.compile "
-                                                         "(faster decode; compile time is reported on its own).")]
+                                                         "(faster decode; compile time is reported on its own). "
+                                                         "Llama-family models on the CPU already decode with the "
+                                                         "native step, which needs no compiling.")]
 
 
 def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p, repetition_penalty, seed):
