@@ -72,18 +72,26 @@ def latency_plot(results, path: Path, setup: dict) -> None:
         from twice.core.errors import PromptError
 
         raise PromptError("--plot needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for w, r in results:
-        if r.batch != 1 or not r.steps_s:
-            continue
-        positions = range(r.prompt_tokens + 1, r.prompt_tokens + 1 + len(r.steps_s))
-        ax.plot(list(positions), [s * 1000 for s in r.steps_s], label=f"{r.engine} ({w.name})", linewidth=1)
-    ax.set_xlabel("position of the generated token")
-    ax.set_ylabel("decode step latency (ms)")
-    ax.set_yscale("log")
-    ax.set_title(f"{setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    # One panel per workload: naive vs cached on the long prompt (the O(N²) vs O(N) picture)
+    # first, then the decode-bound run comparing the cached engines.
+    order = {"naive": 0, "decode": 1}
+    names = sorted({w.name for w, r in results if r.batch == 1 and r.steps_s}, key=lambda n: (order.get(n, 2), n))
+    names = [n for n in names if n in order] or names[:2]
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(6 * max(1, len(names)), 4.5), dpi=120, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for w, r in results:
+            if w.name != name or r.batch != 1 or not r.steps_s:
+                continue
+            positions = range(r.prompt_tokens + 1, r.prompt_tokens + 1 + len(r.steps_s))
+            ax.plot(list(positions), [s * 1000 for s in r.steps_s], label=r.engine, linewidth=1)
+        w = next(w for w, _ in results if w.name == name)
+        ax.set_title(f"{name}: P={w.prompt_tokens}, G={w.new_tokens}", fontsize=10)
+        ax.set_xlabel("position of the generated token")
+        ax.set_ylabel("decode step latency (ms)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -8,6 +8,12 @@ TTFT = prefill + first token, decode tok/s after the first token, the median of 
 repeats after a warm-up.
 
     python scripts/peer_llamacpp.py MODEL.gguf --threads 2 --workloads decode,prefill --json out.json
+
+Setup (about 7 minutes on 2 cores): `pip install llama-cpp-python==0.3.36 sentencepiece`
+(the converter imports sentencepiece for llama models), and the converter from the sdist:
+`pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`, unpacked whole
+(convert_hf_to_gguf.py needs its `conversion/` and `gguf-py/` siblings) at
+llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py.
 """
 
 from __future__ import annotations
@@ -40,12 +46,17 @@ def _prompt(vocab: int, n: int) -> list[int]:
 
 
 def run(gguf: Path, threads: int, workloads: list[str], repeats: int) -> list[dict]:
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=2048,
                 n_ubatch=512, logits_all=False, verbose=False)
     vocab = llm.n_vocab()
+
+    def greedy() -> int:  # argmax of the last evaluated position's logits, read in place
+        logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
     results = []
     for name in workloads:
         p, g = WORKLOADS[name]
@@ -55,13 +66,13 @@ def run(gguf: Path, threads: int, workloads: list[str], repeats: int) -> list[di
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(ids)
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = greedy()
             t_first = time.perf_counter()
             steps = []
             for _ in range(g - 1):
                 t = time.perf_counter()
                 llm.eval([token])
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                token = greedy()
                 steps.append(time.perf_counter() - t)
             decode = sum(steps)
             if i:

@@ -14,7 +14,7 @@ def test_bench_tiny_shape_json_has_every_field(tmp_path, capsys):
     out = tmp_path / "bench.json"
     plot = tmp_path / "latency.png"
     args = ["bench", "--shape", "tiny", "--device", "cpu", "--quick", "--repeats", "1", "--json", str(out),
-            "-w", "decode", "-w", "naive", "-w", "batch4", "-e", "naive", "-e", "twice", "-e", "transformers"]
+            "-w", "decode", "-w", "naive", "-w", "batch4", "-e", "naive", "-e", "twice", "-e", "twice-native", "-e", "transformers"]
     try:
         import matplotlib  # noqa: F401
 
@@ -30,6 +30,10 @@ def test_bench_tiny_shape_json_has_every_field(tmp_path, capsys):
     engines = {(row["workload"], row["engine"]) for row in rows}
     assert {("decode", "twice"), ("decode", "transformers"), ("naive", "naive"), ("naive", "twice"),
             ("batch4", "twice"), ("batch4", "transformers")} <= engines
+    from twice.core import kernels
+
+    if kernels.available():  # the native step runs batch 1 and batches alike
+        assert {("decode", "twice-native"), ("batch4", "twice-native")} <= engines
     for row in rows:
         assert RUN_FIELDS <= set(row), RUN_FIELDS - set(row)
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["ttft_s"] > 0
