@@ -131,3 +131,22 @@ def test_native_gemm_equals_matmul(dtype, rows, out, n):
     fn = lib.gemm_bf16 if dtype == torch.bfloat16 else lib.gemm_f32
     fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, rows, ctypes.c_int(2))
     assert torch.allclose(y, x.float() @ w.float().T, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_never_load_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    """A shared, group/world-writable cache: the library is built in a private temporary
+    folder instead, and still works; the planted file is never loaded."""
+    import os
+
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    os.chmod(shared / "kernels", 0o777)
+    monkeypatch.setenv("TWICE_CACHE", str(shared))
+    built = kernels._build()
+    assert built is not None and not built._name.startswith(str(shared))
+    assert built.decode_step  # loaded and usable though its temporary file is gone
+    assert list((shared / "kernels").iterdir()) == []
+    monkeypatch.setenv("TWICE_CACHE", str(tmp_path / "mine"))
+    own = kernels._build()
+    assert own is not None and own._name.startswith(str(tmp_path / "mine" / "kernels"))
+    assert kernels._private(tmp_path / "mine" / "kernels") and kernels._private(__import__("pathlib").Path(own._name))

@@ -50,16 +50,28 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join(flags).encode() + platform.processor().encode()
                          + _cpu_model().encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        pass
+    if not _private(folder):
+        # Native code is loaded into this process: never from a folder another user could
+        # write. Build it afresh in a private temporary folder instead (not cached).
+        folder = Path(tempfile.mkdtemp(prefix="twice-kernels-"))
+        temporary = True
+    else:
+        temporary = False
     lib = folder / f"twice-kernels-{key}.so"
-    if not lib.is_file():
+    if not (lib.is_file() and _private(lib)):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".twice-kernels-", suffix=".so")
             os.close(fd)
-            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, timeout=120)
+            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                                    timeout=120)
             if result.returncode != 0:
                 os.unlink(tmp)
                 return None
+            os.chmod(tmp, 0o700)
             os.replace(tmp, lib)
         except (OSError, subprocess.SubprocessError):
             return None
@@ -67,6 +79,9 @@ def _build() -> ctypes.CDLL | None:
         handle = ctypes.CDLL(str(lib))
     except OSError:
         return None
+    finally:
+        if temporary:  # once loaded, the mapping outlives the file
+            shutil.rmtree(folder, ignore_errors=True)
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(handle, name).restype = None
         getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -79,6 +94,19 @@ def _build() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, p, ctypes.c_int]
     return handle
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user (or root), not a link, and writable by nobody else."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    import stat
+
+    getuid = getattr(os, "getuid", None)
+    mine = getuid is None or st.st_uid in (getuid(), 0)
+    return mine and not stat.S_ISLNK(st.st_mode) and not st.st_mode & 0o022
 
 
 def _cpu_model() -> str:
