@@ -12,7 +12,7 @@ from twice.weights.load import load
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
 
 # MHA + llama3 rope + tied head; GQA; sliding window; q/k/v bias; q/k norm with explicit head_dim
-FAMILIES = ["llama3", "llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama3", "llama", "mistral", "qwen2", "qwen3", "llama-hd64", "qwen3-hd128"]
 
 
 def _step_by_step(m, dtype, steps=30, capacity=64):
@@ -46,7 +46,7 @@ def test_native_logits_equal_eager_float32(model_dirs, family):
     assert torch.allclose(a.v[:, :, :, : a.length], b.v[:, :, :, : b.length], atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "llama-hd64", "qwen3-hd128"])
 def test_native_logits_track_eager_bfloat16(model_dirs, family):
     m = load(str(model_dirs(family)), device="cpu", dtype="bfloat16")
     worst, gap, _, _ = _step_by_step(m, torch.bfloat16, steps=10)
@@ -79,7 +79,7 @@ def test_gpt2_and_float16_stay_in_pytorch(model_dirs):
     assert not supported(load(str(model_dirs("llama")), device="cpu", dtype="float16").model)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "llama", "llama-hd64"])
 def test_native_batch_equals_eager_batch(model_dirs, family):
     """Left-padded rows of different lengths, rows finishing at different steps."""
     m = load(str(model_dirs(family)), device="cpu", dtype="float32")

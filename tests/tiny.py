@@ -65,6 +65,11 @@ def hf_config(family: str):
         return Qwen2Config(**{**common, "num_key_value_heads": 1, "tie_word_embeddings": True})
     if family == "qwen3":  # explicit head_dim that is not hidden/heads
         return Qwen3Config(**{**common, "head_dim": 24})
+    # Real head sizes (64, 128): the native decode step has vector code for exactly these.
+    if family == "llama-hd64":
+        return LlamaConfig(**{**common, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    if family == "qwen3-hd128":
+        return Qwen3Config(**{**common, "head_dim": 128})
     if family == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                           initializer_range=0.08, bos_token_id=0, eos_token_id=2)

@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 void gemm_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
 void gemm_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
@@ -103,6 +106,63 @@ static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, i
     }
 }
 
+/* One query head against n cached keys/values (rows D apart from element `base`):
+ * softmax(q·K * scale) · V into out. */
+static void attend_head_scalar(const Dims *d, const float *q, const void *kc, const void *vc, int64_t base,
+                               int64_t n, float *s, float *out) {
+    const int64_t D = d->head_dim;
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = dot_cached(d, q, kc, base + j * D, D) * d->scale;
+        if (s[j] > m) m = s[j];
+    }
+    for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) axpy_cached(d, s[j] / sum, vc, base + j * D, D, out);
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const Dims *d, const void *p, int64_t at) {
+    if (d->bf16) {  /* bf16 → f32 is a 16-bit shift */
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + at);
+}
+
+/* The same with the query and the output held in registers for the whole pass over the
+ * cache (head_dim = 16·NV): each key and value row is loaded once and never written. */
+static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d, const int NV, const float *qh,
+                                                                  const void *kc, const void *vc, int64_t base,
+                                                                  int64_t n, float *s, float *out) {
+    const int64_t D = 16 * NV;
+    __m512 q[8], o[8];
+    for (int v = 0; v < NV; v++) { q[v] = _mm512_loadu_ps(qh + 16 * v); o[v] = _mm512_setzero_ps(); }
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        __m512 acc = _mm512_mul_ps(q[0], load16(d, kc, base + j * D));
+        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(q[v], load16(d, kc, base + j * D + 16 * v), acc);
+        s[j] = _mm512_reduce_add_ps(acc) * d->scale;
+        if (s[j] > m) m = s[j];
+    }
+    for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    for (int64_t j = 0; j < n; j++) {
+        const __m512 p = _mm512_set1_ps(s[j] / sum);
+        for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(p, load16(d, vc, base + j * D + 16 * v), o[v]);
+    }
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + 16 * v, o[v]);
+}
+#endif
+
+static void attend_head(const Dims *d, const float *q, const void *kc, const void *vc, int64_t base, int64_t n,
+                        float *s, float *out) {
+#ifdef __AVX512F__
+    if (d->head_dim == 64) { attend_head_vec(d, 4, q, kc, vc, base, n, s, out); return; }
+    if (d->head_dim == 128) { attend_head_vec(d, 8, q, kc, vc, base, n, s, out); return; }
+#endif
+    attend_head_scalar(d, q, kc, vc, base, n, s, out);
+}
+
 /* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype. */
 static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, float *y) {
     float ss = 0.0f;
@@ -186,15 +246,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             const int64_t n = column - lo + 1;
             const char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
             const float *qh = big + r * qkv + h * D;
-            float *s = scores + rh * capacity, m = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                s[j] = dot_cached(d, qh, kc, (g * capacity + lo + j) * D, D) * d->scale;
-                if (s[j] > m) m = s[j];
-            }
-            for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
             float *oh = att + r * q_size + h * D;
-            for (int64_t i = 0; i < D; i++) oh[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) axpy_cached(d, s[j] / sum, vc, (g * capacity + lo + j) * D, D, oh);
+            attend_head(d, qh, kc, vc, (g * capacity + lo) * D, n, scores + rh * capacity, oh);
             for (int64_t i = 0; i < D; i++) oh[i] = rnd(d, oh[i]);
         }
         linear(d, L->o, L->o_bias, att, q_size, H, rows, t, xw, threads);
