@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twice.core.device import DTYPES
+from twice.core.device import DTYPE_NAMES, DTYPES, cpu_auto_dtype
 from twice.core.errors import UsageError
 
 from .checkpoint import checkpoint_files, validate_header
@@ -14,8 +14,8 @@ _STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float
 
 
 def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") -> dict:
-    # The dtype generation would use: auto is float32 on CPU (info never touches a GPU).
-    name = "float32" if dtype == "auto" else dtype
+    # The dtype generation would use on this machine's CPU (info never touches a GPU).
+    name = DTYPE_NAMES[cpu_auto_dtype()] if dtype == "auto" else dtype
     if name not in DTYPES:  # before resolving: a typo must not start a download
         raise UsageError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     folder = resolve(ref, revision)
