@@ -45,6 +45,7 @@ def supported(model: CausalLM) -> bool:
     weight = model.lm_head_weight
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and model.config.hidden_act in ("silu", "swish") and model.config.head_dim <= 1024
+            and all(p.is_contiguous() and p.dtype == weight.dtype for p in model.parameters())
             and kernels.available())
 
 

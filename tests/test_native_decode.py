@@ -77,6 +77,11 @@ def test_engine_native_decode_matches_eager_engine(model_dirs, family, monkeypat
 def test_gpt2_and_float16_stay_in_pytorch(model_dirs):
     assert not supported(load(str(model_dirs("gpt2")), device="cpu", dtype="float32").model)
     assert not supported(load(str(model_dirs("llama")), device="cpu", dtype="float16").model)
+    m = load(str(model_dirs("llama")), device="cpu", dtype="float32")
+    w = m.model.layers[0].mlp.down_proj.weight
+    w.data = w.data.t().contiguous().t()  # same values, strided: the C code could not read it
+    assert not supported(m.model)
+    assert Engine(m.model, m.tokenizer, m.eos_token_ids).fast is None
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "llama", "llama-hd64"])
