@@ -109,9 +109,6 @@ class NativeDecoder:
         ids = tokens.reshape(-1).to(torch.int64).contiguous()
         if ids.numel() != rows:
             raise ValueError(f"{ids.numel()} tokens for a cache of {rows} rows")
-        vocab = self.embed.shape[0]
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"a token id is outside the vocabulary of {vocab}")
         starts = cache.starts.to(torch.int64).contiguous() if cache.starts is not None else None
         rope = self.model.rope
         rope.ensure(column + 1)  # positions are column - start ≤ column
@@ -122,6 +119,8 @@ class NativeDecoder:
             cache.capacity, column, starts.data_ptr() if starts is not None else None, logits.data_ptr(),
             torch.get_num_threads(),
         )
+        if status == -2:
+            raise ValueError(f"a token id is outside the vocabulary of {self.dims.vocab}")
         if status != 0:
             raise MemoryError("native decode could not allocate its scratch buffers")
         cache.length = column + 1

@@ -133,8 +133,7 @@ def test_native_gemm_equals_matmul(dtype, rows, out, n):
     w = torch.randn(out, n, generator=g).to(dtype)
     x = torch.randn(rows, n, generator=g).to(dtype)
     y = torch.empty(rows, out)
-    fn = lib.gemm_bf16 if dtype == torch.bfloat16 else lib.gemm_f32
-    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, rows, ctypes.c_int(2))
+    lib.gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, rows, int(dtype == torch.bfloat16), ctypes.c_int(2))
     assert torch.allclose(y, x.float() @ w.float().T, rtol=1e-4, atol=1e-4)
 
 

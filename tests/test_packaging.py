@@ -17,8 +17,8 @@ def test_wheel_holds_every_module_under_twice(tmp_path):
     (wheel,) = tmp_path.glob("twice-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for folder in ("cli", "core", "weights"):
-        sources = [s for pattern in ("*.py", "*.c") for s in (ROOT / folder).rglob(pattern)]
-        for source in sources:  # subpackages and the native kernel's C source too
+        sources = [s for pattern in ("*.py", "*.c", "*.h") for s in (ROOT / folder).rglob(pattern)]
+        for source in sources:  # subpackages and the native kernels' C sources too
             if "__pycache__" not in source.parts:
                 assert f"twice/{source.relative_to(ROOT).as_posix()}" in names, source
     tops = {n.split("/")[0] for n in names}

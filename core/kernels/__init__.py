@@ -27,6 +27,7 @@ import torch
 from ..paths import cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]  # included by both; part of the build's hash
 _STATE: dict = {}
 
 
@@ -46,7 +47,7 @@ def _build() -> ctypes.CDLL | None:
     gomp = _libgomp()
     if gomp is not None:
         flags += ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", f"-l:{gomp.name}"]
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(flags).encode() + platform.processor().encode()
                          + _cpu_model().encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
@@ -82,14 +83,9 @@ def _build() -> ctypes.CDLL | None:
     finally:
         if temporary:  # once loaded, the mapping outlives the file
             shutil.rmtree(folder, ignore_errors=True)
-    for name in ("gemv_f32", "gemv_bf16"):
-        getattr(handle, name).restype = None
-        getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                          ctypes.c_int64, ctypes.c_int]
-    for name in ("gemm_f32", "gemm_bf16"):
-        getattr(handle, name).restype = None
-        getattr(handle, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    handle.gemm.restype = None
+    handle.gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     handle.decode_step.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, p, ctypes.c_int]
@@ -142,8 +138,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(1, out, dtype=torch.float32)
     x = x.to(w.dtype).contiguous()
     w = w.contiguous()  # a no-op for Linear weights; a view (a TP slice) is copied once
-    fn = lib.gemv_bf16 if w.dtype == torch.bfloat16 else lib.gemv_f32
-    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, torch.get_num_threads())
+    lib.gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, 1, int(w.dtype == torch.bfloat16),
+             torch.get_num_threads())
     return y
 
 

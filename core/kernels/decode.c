@@ -19,8 +19,9 @@
 #include <immintrin.h>
 #endif
 
-void gemm_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
-void gemm_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int64_t rows, int threads);
+#include "bf16.h"
+
+void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
@@ -34,29 +35,14 @@ typedef struct { /* NULL where the model has no such tensor */
     int64_t window; /* sliding window in tokens; 0 = none */
 } Layer;
 
-static inline float from_bf16(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float rnd(const Dims *d, float f) { return d->bf16 ? from_bf16(to_bf16(f)) : f; }
+static inline float rnd(const Dims *d, float f) { return d->bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
 static inline float load(const Dims *d, const void *p, int64_t i) {
-    return d->bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return d->bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store(const Dims *d, void *p, int64_t i, float f) {
-    if (d->bf16) ((uint16_t *)p)[i] = to_bf16(f);
+    if (d->bf16) ((uint16_t *)p)[i] = f32_to_bf16(f);
     else ((float *)p)[i] = f;
 }
 
@@ -67,11 +53,9 @@ static void linear(const Dims *d, const void *w, const void *b, const float *x, 
                    int64_t rows, float *y, uint16_t *xw, int threads) {
     if (d->bf16) {
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t i = 0; i < rows * n; i++) xw[i] = to_bf16(x[i]);
-        gemm_bf16((const uint16_t *)w, xw, y, out, n, rows, threads);
-    } else {
-        gemm_f32((const float *)w, x, y, out, n, rows, threads);
+        for (int64_t i = 0; i < rows * n; i++) xw[i] = f32_to_bf16(x[i]);
     }
+    gemm(w, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
     #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < out; i++) {
@@ -87,7 +71,7 @@ static float dot_cached(const Dims *d, const float *q, const void *cache, int64_
     if (d->bf16) {
         const uint16_t *c = (const uint16_t *)cache + at;
         #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < n; i++) s += q[i] * from_bf16(c[i]);
+        for (int64_t i = 0; i < n; i++) s += q[i] * bf16_to_f32(c[i]);
     } else {
         const float *c = (const float *)cache + at;
         #pragma omp simd reduction(+ : s)
@@ -99,7 +83,7 @@ static float dot_cached(const Dims *d, const float *q, const void *cache, int64_
 static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, int64_t n, float *out) {
     if (d->bf16) {
         const uint16_t *c = (const uint16_t *)cache + at;
-        for (int64_t i = 0; i < n; i++) out[i] += p * from_bf16(c[i]);
+        for (int64_t i = 0; i < n; i++) out[i] += p * bf16_to_f32(c[i]);
     } else {
         const float *c = (const float *)cache + at;
         for (int64_t i = 0; i < n; i++) out[i] += p * c[i];
@@ -186,7 +170,8 @@ static void rope(const Dims *d, float *x, const void *cos, const void *sin, int6
  * starts[r] (NULL: no padding) and its token tokens[r] sits at position column - starts[r].
  * cos/sin: the rotary tables [positions, head_dim]. Caches: [layers, rows, kv_heads,
  * capacity, head_dim] in the model dtype. logits: [rows, vocab] float32.
- * Returns 0, or -1 when a scratch allocation failed (nothing was written then). */
+ * Returns 0; -1 when a scratch allocation failed, -2 for a token id outside the
+ * vocabulary (nothing was written then). */
 int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const void *head,
                 const void *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
                 void *k_cache, void *v_cache, int64_t capacity, int64_t column, const int64_t *starts,
@@ -197,6 +182,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     const int64_t wide_in = d->inter > H ? (d->inter > q_size ? d->inter : q_size) : (H > q_size ? H : q_size);
     const int64_t el = d->bf16 ? 2 : 4;
     if (D > 1024 || rows < 1) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= d->vocab) return -2; /* its embedding row would be out of bounds */
     float *x = malloc(sizeof(float) * rows * H), *xn = malloc(sizeof(float) * rows * H);
     float *t = malloc(sizeof(float) * rows * H), *big = malloc(sizeof(float) * rows * widest);
     float *att = malloc(sizeof(float) * rows * (q_size > d->inter ? q_size : d->inter));

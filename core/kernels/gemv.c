@@ -1,4 +1,4 @@
-/* y = W x for one vector x: the matrix-vector product of batch-1 decode.
+/* y = W x for one vector x (batch-1 decode) or a few (batched decode).
  *
  * Decode reads every weight once per token, so this loop decides tokens/s: each output
  * row is one sequential stream through W with independent accumulators, and the rows are
@@ -11,17 +11,11 @@
  * (-O3 -march=native), cached in twice's cache folder.
  */
 #include <stdint.h>
-#include <string.h>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
 static float dot_f32(const float *r, const float *x, int64_t n) {
     int64_t i = 0;
@@ -67,19 +61,7 @@ static float dot_bf16(const uint16_t *r, const uint16_t *x, int64_t n) {
     return s;
 }
 
-/* w: [out, n] row-major; x: [n]; y: [out] float32. */
-void gemv_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) y[o] = dot_f32(w + o * n, x, n);
-}
-
-void gemv_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) y[o] = dot_bf16(w + o * n, x, n);
-}
-
-/* The same for `rows` vectors at once (batched decode): x [rows, n] → y [rows, out].
- * Tiles of 4 weight rows × 4 vectors keep 16 accumulators in registers: every weight
+/* Several vectors at once (batched decode): tiles of 4 weight rows × 4 vectors keep 16 accumulators in registers: every weight
  * vector loaded feeds 4 FMAs and every x vector 4, so a batch reads each weight from
  * memory once and stays compute-bound instead of load-bound. Edges use the dot loops. */
 /* Four interleaved row streams, each only a few cache lines long, are too short for the
@@ -123,28 +105,42 @@ static void tile_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t ou
 }
 #endif
 
-void gemm_f32(const float *w, const float *x, float *y, int64_t out, int64_t n, int64_t rows, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o += 4) {
-        int64_t b = 0;
-#ifdef __AVX512F__
-        if (o + 4 <= out && n % 16 == 0)
-            for (; b + 4 <= rows; b += 4) tile_f32(w + o * n, x + b * n, y + b * out + o, out, n);
+/* The 4×4 tile's vector width in elements for this dtype, or 0 where this CPU has no
+ * such instructions. */
+static int tile_width(int bf16) {
+#ifdef __AVX512BF16__
+    if (bf16) return 32;
 #endif
-        for (int64_t r = o; r < o + 4 && r < out; r++)
-            for (int64_t c = b; c < rows; c++) y[c * out + r] = dot_f32(w + r * n, x + c * n, n);
-    }
+#ifdef __AVX512F__
+    if (!bf16) return 16;
+#endif
+    return 0;
 }
 
-void gemm_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t out, int64_t n, int64_t rows, int threads) {
+static void tile(int bf16, const void *w, const void *x, float *y, int64_t out, int64_t n) {
+#ifdef __AVX512BF16__
+    if (bf16) { tile_bf16(w, x, y, out, n); return; }
+#endif
+#ifdef __AVX512F__
+    if (!bf16) { tile_f32(w, x, y, out, n); return; }
+#endif
+}
+
+static float dot(int bf16, const void *w, const void *x, int64_t n) {
+    return bf16 ? dot_bf16(w, x, n) : dot_f32(w, x, n);
+}
+
+/* w: [out, n] row-major; x: [rows, n]; y: [rows, out] float32. w and x are both bfloat16
+ * (bf16 = 1) or both float32. Threads split the output rows, four at a time. */
+void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads) {
+    const int64_t el = bf16 ? 2 : 4, width = tile_width(bf16);
+    const char *W = w, *X = x;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o += 4) {
         int64_t b = 0;
-#ifdef __AVX512BF16__
-        if (o + 4 <= out && n % 32 == 0)
-            for (; b + 4 <= rows; b += 4) tile_bf16(w + o * n, x + b * n, y + b * out + o, out, n);
-#endif
+        if (width && o + 4 <= out && n % width == 0)
+            for (; b + 4 <= rows; b += 4) tile(bf16, W + o * n * el, X + b * n * el, y + b * out + o, out, n);
         for (int64_t r = o; r < o + 4 && r < out; r++)
-            for (int64_t c = b; c < rows; c++) y[c * out + r] = dot_bf16(w + r * n, x + c * n, n);
+            for (int64_t c = b; c < rows; c++) y[c * out + r] = dot(bf16, W + r * n * el, X + c * n * el, n);
     }
 }
