@@ -21,7 +21,6 @@ from .device import DTYPE_NAMES, synchronize
 from .engine import Done, Engine, GenerationSettings, Request
 from .model import CausalLM
 from .models import build_model
-from .native_decode import NativeDecoder
 from .native_decode import supported as native_supported
 
 # Random-weight stand-ins with the exact shapes of real checkpoints (no download needed).
@@ -412,9 +411,7 @@ BATCH1_ONLY = ("twice-compiled",)
 
 
 def engine_name(engine: Engine) -> str:
-    if isinstance(engine.fast, NativeDecoder):
-        return "twice-native"
-    return "twice-compiled" if engine.fast else "twice"
+    return {"native": "twice-native", "compiled": "twice-compiled"}.get(engine.decode_path, "twice")
 
 
 def default_engines(workload: Workload, model: CausalLM | None = None) -> tuple[str, ...]:
@@ -459,8 +456,8 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
                 if name in BATCH1_ONLY and w.batch > 1:
                     continue  # the compiled step serves batch 1
                 engine = twice_engine(name)
-                if name == "twice-native" and not isinstance(engine.fast, NativeDecoder):
-                    say("skip twice-native: not available for this model or machine")
+                if engine_name(engine) != name:  # that decode step does not apply to this model here
+                    say(f"skip {name}: not available for this model or machine")
                     continue
                 run = run_twice(engine, w.prompt_tokens, w.new_tokens, w.batch, repeats)
             else:

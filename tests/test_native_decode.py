@@ -154,3 +154,16 @@ def test_kernels_never_load_from_a_folder_others_can_write(tmp_path, monkeypatch
     own = kernels._build()
     assert own is not None and own._name.startswith(str(tmp_path / "mine" / "kernels"))
     assert kernels._private(tmp_path / "mine" / "kernels") and kernels._private(__import__("pathlib").Path(own._name))
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_anything_is_written(model_dirs):
+    m = load(str(model_dirs("llama")), device="cpu", dtype="float32")
+    native = NativeDecoder(m.model)
+    cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
+    with torch.inference_mode():
+        m.model(torch.tensor([[5, 6, 7], [8, 9, 10]]), cache)
+        before = cache.k.clone()
+        for bad in (m.config.vocab_size, -1):
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                native(torch.tensor([[3], [bad]]), cache)
+            assert cache.length == 3 and torch.equal(cache.k, before)
