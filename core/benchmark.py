@@ -233,9 +233,10 @@ class NullTokenizer:
         return ""
 
 
-def _prompts(config: ModelConfig, batch: int, prompt_tokens: int, seed: int = 1) -> list[list[int]]:
+def prompt_ids(vocab_size: int, batch: int, prompt_tokens: int, seed: int = 1) -> list[list[int]]:
+    """The prompts every engine gets (scripts/peer_llamacpp.py too): seeded random ids."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+    return torch.randint(0, vocab_size, (batch, prompt_tokens), generator=g).tolist()
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -257,7 +258,7 @@ def _steps_summary(steps: list[float]) -> tuple[float, float]:
 def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 1, repeats: int = 3,
               name: str | None = None) -> Run:
     config = engine.config
-    prompts = _prompts(config, batch, prompt_tokens)
+    prompts = prompt_ids(config.vocab_size, batch, prompt_tokens)
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     compile_s = 0.0
     runs = []
@@ -296,7 +297,7 @@ def run_naive(model: CausalLM, prompt_tokens: int, new_tokens: int, repeats: int
     config = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    seq = torch.tensor(_prompts(config, 1, prompt_tokens), device=device)
+    seq = torch.tensor(prompt_ids(config.vocab_size, 1, prompt_tokens), device=device)
     runs = []
     for i in range(repeats + 1):
         tokens = seq
@@ -328,7 +329,7 @@ def run_transformers(hf, prompt_tokens: int, new_tokens: int, batch: int = 1, re
 
     device = next(hf.parameters()).device
     config = hf.config
-    ids = torch.tensor(_prompts(_shim(config), batch, prompt_tokens), device=device)
+    ids = torch.tensor(prompt_ids(config.vocab_size, batch, prompt_tokens), device=device)
     stamps: list[float] = []
 
     class Stamp(LogitsProcessor):
@@ -371,11 +372,6 @@ def run_transformers(hf, prompt_tokens: int, new_tokens: int, batch: int = 1, re
 
 def _head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-class _shim:
-    def __init__(self, hf_config):
-        self.vocab_size = hf_config.vocab_size
 
 
 def describe_setup(model: CausalLM) -> dict:

@@ -60,7 +60,7 @@ def add_peer(data: dict, subject: dict, dtype: str, args, out_dir: Path) -> None
     gguf = peer_llamacpp.make_gguf(folder, dtype, args.llama_convert, out_dir)
     peer_json = out_dir / f"{gguf.stem}-llamacpp.json"
     threads = args.threads or data["bandwidth"]["threads"]
-    workloads = ",".join(w for w in args.workloads.split(",") if w in peer_llamacpp.WORKLOADS)
+    workloads = ",".join(w for w in args.workloads.split(",") if w in peer_llamacpp.PEER_WORKLOADS)
     subprocess.run([sys.executable, str(Path(peer_llamacpp.__file__)), str(gguf), "--threads", str(threads),
                     "--workloads", workloads, "--repeats", str(args.repeats), "--json", str(peer_json)], check=True)
     hf = {r["workload"]: r for r in data["results"] if r["engine"] == "transformers"}

@@ -27,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOADS = {"decode": (32, 256), "prefill": (2048, 16), "batch1": (32, 64)}  # as core/benchmark.py
+from twice.core.benchmark import WORKLOADS, prompt_ids
+
+PEER_WORKLOADS = ("decode", "prefill", "batch1")  # batch 1: one sequence per llama.cpp context
 
 
 def make_gguf(model_dir: Path, dtype: str, convert_script: Path, out_dir: Path) -> Path:
@@ -38,11 +40,6 @@ def make_gguf(model_dir: Path, dtype: str, convert_script: Path, out_dir: Path) 
         subprocess.run([sys.executable, str(convert_script), str(model_dir), "--outtype", kind, "--outfile", str(out)],
                        check=True, stdout=subprocess.DEVNULL)
     return out
-
-
-def _prompt(vocab: int, n: int) -> list[int]:
-    # Deterministic ids away from the special tokens at the start of the vocabulary.
-    return [100 + (i * 7919) % (vocab - 200) for i in range(n)]
 
 
 def run(gguf: Path, threads: int, workloads: list[str], repeats: int) -> list[dict]:
@@ -59,8 +56,8 @@ def run(gguf: Path, threads: int, workloads: list[str], repeats: int) -> list[di
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
     results = []
     for name in workloads:
-        p, g = WORKLOADS[name]
-        ids = _prompt(vocab, p)
+        p, g = WORKLOADS[name].prompt_tokens, WORKLOADS[name].new_tokens
+        ids = prompt_ids(vocab, 1, p)[0]  # the ids twice bench gives every engine
         runs = []
         for i in range(repeats + 1):  # the first is the warm-up
             llm.reset()
@@ -99,7 +96,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, required=True)
     args = p.parse_args()
-    results = run(args.gguf, args.threads, [w for w in args.workloads.split(",") if w in WORKLOADS], args.repeats)
+    results = run(args.gguf, args.threads, [w for w in args.workloads.split(",") if w in PEER_WORKLOADS], args.repeats)
     args.json.write_text(json.dumps(results, indent=1))
 
 
