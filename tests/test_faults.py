@@ -111,6 +111,16 @@ def end_of(child: pexpect.spawn, sent: float) -> float:
     return elapsed
 
 
+def assert_sigterm_ends_quietly(child: pexpect.spawn) -> None:
+    """SIGTERM: exit 143 with one line, promptly, the terminal restored (end_of)."""
+    sent = time.monotonic()
+    child.kill(signal.SIGTERM)
+    elapsed = end_of(child, sent)
+    assert child.exitstatus == 143 and "twice: terminated" in child.before
+    assert_quiet(child.before)
+    assert elapsed < LIMIT, elapsed
+
+
 def write_prompts(path: Path, prompts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
     return path
@@ -166,12 +176,7 @@ def test_generate_ctrl_c_during_decode_keeps_the_text_so_far(long_model, tmp_pat
 def test_generate_sigterm_during_decode(long_model, tmp_path):
     child = spawn(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000"], tmp_path)
     child.expect(r"\d+ generated")
-    sent = time.monotonic()
-    child.kill(signal.SIGTERM)
-    elapsed = end_of(child, sent)
-    assert child.exitstatus == 143 and "twice: terminated" in child.before
-    assert_quiet(child.before)
-    assert elapsed < LIMIT, elapsed
+    assert_sigterm_ends_quietly(child)
 
 
 # -- chat --------------------------------------------------------------------------------------------
@@ -202,12 +207,7 @@ def test_chat_ctrl_c_in_prefill_and_decode_then_sigterm_at_the_prompt(long_model
     assert [m.get("cut") for m in json.loads(saved.read_text())["messages"]] == [None, True, None, True]
     # SIGTERM at the prompt (prompt-toolkit has the terminal in raw mode): it is restored.
     assert not termios.tcgetattr(child.child_fd)[3] & termios.ICANON
-    sent = time.monotonic()
-    child.kill(signal.SIGTERM)
-    elapsed = end_of(child, sent)
-    assert child.exitstatus == 143 and "twice: terminated" in child.before
-    assert_quiet(child.before)
-    assert elapsed < LIMIT, elapsed
+    assert_sigterm_ends_quietly(child)
 
 
 # -- batch -------------------------------------------------------------------------------------------
