@@ -27,7 +27,7 @@ import torch
 from ..paths import cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c")]
-HEADERS = [Path(__file__).with_name("bf16.h")]  # included by both; part of the build's hash
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h")]  # part of the build's hash
 _STATE: dict = {}
 
 

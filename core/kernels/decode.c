@@ -20,6 +20,7 @@
 #endif
 
 #include "bf16.h"
+#include "vec.h"
 
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
 
@@ -46,22 +47,52 @@ static inline void store(const Dims *d, void *p, int64_t i, float f) {
     else ((float *)p)[i] = f;
 }
 
+#ifdef __AVX512F__
+static inline __m512 load16(const Dims *d, const void *p, int64_t at) {
+    if (d->bf16) {  /* bf16 → f32 is a 16-bit shift */
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + at);
+}
+#endif
+
+/* y[i] = rnd(y[i] + t[i] + b[i]) over n elements, t (float32) and b (model dtype) each
+ * optional: a residual add or a bias, rounded to the model dtype where eager stores it. */
+static void add_round(const Dims *d, float *y, const float *t, const void *b, int64_t n) {
+    if (!d->bf16 && !t && !b) return;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(y + i);
+        if (t) v = _mm512_add_ps(v, _mm512_loadu_ps(t + i));
+        if (b) v = _mm512_add_ps(v, load16(d, b, i));
+        _mm512_storeu_ps(y + i, d->bf16 ? round_bf16(v) : v);
+    }
+#endif
+    for (; i < n; i++) y[i] = rnd(d, y[i] + (t ? t[i] : 0.0f) + (b ? load(d, b, i) : 0.0f));
+}
+
+/* x (float32 holding bf16 values) → bf16, n elements. */
+static void narrow(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(_mm512_loadu_ps(x + i))), 16);
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(u));
+    }
+#endif
+    for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}
+
 /* y = rnd(W x + b) for `rows` vectors x [rows, n] → y [rows, out]. x is already
  * representable in the model dtype; `xw` is scratch for it in that dtype (the bf16 kernel
  * multiplies bf16 by bf16). */
 static void linear(const Dims *d, const void *w, const void *b, const float *x, int64_t n, int64_t out,
                    int64_t rows, float *y, uint16_t *xw, int threads) {
-    if (d->bf16) {
-        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t i = 0; i < rows * n; i++) xw[i] = f32_to_bf16(x[i]);
-    }
+    if (d->bf16) narrow(x, xw, rows * n);
     gemm(w, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
-    #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < out; i++) {
-            float v = y[r * out + i];
-            y[r * out + i] = rnd(d, b ? v + load(d, b, i) : v);
-        }
+    for (int64_t r = 0; r < rows; r++) add_round(d, y + r * out, NULL, b, out);
 }
 
 /* q · one cached key, and out += p · one cached value: the dtype branch sits outside the
@@ -106,32 +137,53 @@ static void attend_head_scalar(const Dims *d, const float *q, const void *kc, co
 }
 
 #ifdef __AVX512F__
-static inline __m512 load16(const Dims *d, const void *p, int64_t at) {
-    if (d->bf16) {  /* bf16 → f32 is a 16-bit shift */
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)p + at);
-}
-
 /* The same with the query and the output held in registers for the whole pass over the
- * cache (head_dim = 16·NV): each key and value row is loaded once and never written. */
+ * cache (head_dim = 16·NV): each key and value row is loaded once and never written.
+ * Scores come 16 keys at a time (their 16 partial sums folded into one vector), so the
+ * max, the exponentials and the sum run on vectors. */
 static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d, const int NV, const float *qh,
                                                                   const void *kc, const void *vc, int64_t base,
                                                                   int64_t n, float *s, float *out) {
     const int64_t D = 16 * NV;
     __m512 q[8], o[8];
     for (int v = 0; v < NV; v++) { q[v] = _mm512_loadu_ps(qh + 16 * v); o[v] = _mm512_setzero_ps(); }
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 acc[16];
+        for (int k = 0; k < 16; k++) {
+            const int64_t at = base + (j + k) * D;
+            acc[k] = _mm512_mul_ps(q[0], load16(d, kc, at));
+            for (int v = 1; v < NV; v++) acc[k] = _mm512_fmadd_ps(q[v], load16(d, kc, at + 16 * v), acc[k]);
+        }
+        const __m512 sv = _mm512_mul_ps(sum16(acc), scale);
+        _mm512_storeu_ps(s + j, sv);
+        mv = _mm512_max_ps(mv, sv);
+    }
+    float m = _mm512_reduce_max_ps(mv);
+    for (; j < n; j++) {
         __m512 acc = _mm512_mul_ps(q[0], load16(d, kc, base + j * D));
         for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(q[v], load16(d, kc, base + j * D + 16 * v), acc);
         s[j] = _mm512_reduce_add_ps(acc) * d->scale;
         if (s[j] > m) m = s[j];
     }
-    for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
-    for (int64_t j = 0; j < n; j++) {
-        const __m512 p = _mm512_set1_ps(s[j] / sum);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sumv = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb));
+        _mm512_storeu_ps(s + j, e);
+        sumv = _mm512_add_ps(sumv, e);
+    }
+    if (j < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mb));
+        _mm512_mask_storeu_ps(s + j, tail, e);
+        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
+    for (j = 0; j < n; j++) {
+        const __m512 p = _mm512_set1_ps(s[j] * inv);
         for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(p, load16(d, vc, base + j * D + 16 * v), o[v]);
     }
     for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + 16 * v, o[v]);
@@ -150,9 +202,24 @@ static void attend_head(const Dims *d, const float *q, const void *kc, const voi
 /* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype. */
 static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, float *y) {
     float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / (float)n + d->eps);
-    for (int64_t i = 0; i < n; i++) y[i] = rnd(d, load(d, w, i) * rnd(d, x[i] * r));
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), acc);
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + d->eps);
+    i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r));
+        if (d->bf16) v = round_bf16(v);
+        v = _mm512_mul_ps(load16(d, w, i), v);
+        _mm512_storeu_ps(y + i, d->bf16 ? round_bf16(v) : v);
+    }
+#endif
+    for (; i < n; i++) y[i] = rnd(d, load(d, w, i) * rnd(d, x[i] * r));
 }
 
 /* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. */
@@ -238,7 +305,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             for (int64_t i = 0; i < D; i++) oh[i] = rnd(d, oh[i]);
         }
         linear(d, L->o, L->o_bias, att, q_size, H, rows, t, xw, threads);
-        for (int64_t i = 0; i < rows * H; i++) x[i] = rnd(d, x[i] + t[i]);
+        add_round(d, x, t, NULL, rows * H);
 
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->post_norm, H, xn + r * H);
@@ -246,13 +313,24 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *gu = big + r * 2 * d->inter;
-            for (int64_t i = 0; i < d->inter; i++) {
+            float *h = att + r * d->inter;
+            int64_t i = 0;
+#ifdef __AVX512F__
+            for (; i + 16 <= d->inter; i += 16) {
+                const __m512 g = _mm512_loadu_ps(gu + i), up = _mm512_loadu_ps(gu + d->inter + i);
+                __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                if (d->bf16) a = round_bf16(a);
+                a = _mm512_mul_ps(a, up);
+                _mm512_storeu_ps(h + i, d->bf16 ? round_bf16(a) : a);
+            }
+#endif
+            for (; i < d->inter; i++) {
                 const float g = gu[i];
-                att[r * d->inter + i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[d->inter + i]);
+                h[i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[d->inter + i]);
             }
         }
         linear(d, L->down, L->down_bias, att, d->inter, H, rows, t, xw, threads);
-        for (int64_t i = 0; i < rows * H; i++) x[i] = rnd(d, x[i] + t[i]);
+        add_round(d, x, t, NULL, rows * H);
     }
     for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
     linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, threads);
