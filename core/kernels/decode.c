@@ -137,6 +137,26 @@ static void attend_head_scalar(const Dims *d, const float *q, const void *kc, co
 }
 
 #ifdef __AVX512F__
+/* Lane-wise partial products of q and the key at `at` (their lane sum is q·k). In bf16,
+ * where q holds bf16 values as eager's q does, dot-product instructions take the cached
+ * key as stored (32 products each, exact, accumulated in float32) instead of widening it. */
+static inline __attribute__((always_inline)) __m512 key_dot(const Dims *d, const int NV, const __m512 *q,
+                                                            const __m512i *qb, const void *kc, int64_t at) {
+#ifdef __AVX512BF16__
+    if (d->bf16) {
+        const uint16_t *k = (const uint16_t *)kc + at;
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512(k));
+        for (int v = 1; v < NV / 2; v++)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)qb[v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+        return acc;
+    }
+#endif
+    (void)qb;
+    __m512 acc = _mm512_mul_ps(q[0], load16(d, kc, at));
+    for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(q[v], load16(d, kc, at + 16 * v), acc);
+    return acc;
+}
+
 /* The same with the query and the output held in registers for the whole pass over the
  * cache (head_dim = 16·NV): each key and value row is loaded once and never written.
  * Scores come 16 keys at a time (their 16 partial sums folded into one vector), so the
@@ -146,16 +166,18 @@ static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d,
                                                                   int64_t n, float *s, float *out) {
     const int64_t D = 16 * NV;
     __m512 q[8], o[8];
+    __m512i qb[4];
     for (int v = 0; v < NV; v++) { q[v] = _mm512_loadu_ps(qh + 16 * v); o[v] = _mm512_setzero_ps(); }
+#ifdef __AVX512BF16__
+    for (int v = 0; v < NV / 2; v++) qb[v] = (__m512i)_mm512_cvtne2ps_pbh(q[2 * v + 1], q[2 * v]);
+#endif
     const __m512 scale = _mm512_set1_ps(d->scale);
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         __m512 acc[16];
         for (int k = 0; k < 16; k++) {
-            const int64_t at = base + (j + k) * D;
-            acc[k] = _mm512_mul_ps(q[0], load16(d, kc, at));
-            for (int v = 1; v < NV; v++) acc[k] = _mm512_fmadd_ps(q[v], load16(d, kc, at + 16 * v), acc[k]);
+            acc[k] = key_dot(d, NV, q, qb, kc, base + (j + k) * D);
         }
         const __m512 sv = _mm512_mul_ps(sum16(acc), scale);
         _mm512_storeu_ps(s + j, sv);
@@ -163,9 +185,7 @@ static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d,
     }
     float m = _mm512_reduce_max_ps(mv);
     for (; j < n; j++) {
-        __m512 acc = _mm512_mul_ps(q[0], load16(d, kc, base + j * D));
-        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(q[v], load16(d, kc, base + j * D + 16 * v), acc);
-        s[j] = _mm512_reduce_add_ps(acc) * d->scale;
+        s[j] = _mm512_reduce_add_ps(key_dot(d, NV, q, qb, kc, base + j * D)) * d->scale;
         if (s[j] > m) m = s[j];
     }
     const __m512 mb = _mm512_set1_ps(m);
