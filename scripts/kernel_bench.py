@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""How close the native matrix kernels come to this CPU's limits, on a model's shapes.
+
+Batch 1 decode is bound by memory bandwidth; a batch reads each weight once for all its
+rows and becomes bound by the vector units instead. This script measures both limits
+itself — the multiply-add peak with scripts/cpu_peak.c (registers only) and nothing else —
+and then twice's `gemm` kernel (core/kernels/gemv.c) on each projection of the model,
+weights cycling through copies larger than the caches, for 1, 4 and 16 rows:
+
+    python scripts/kernel_bench.py                    # SmolLM2-135M shapes, 2 threads
+    python scripts/kernel_bench.py --shape llama-3.2-1b --threads 8
+
+It reports GMAC/s, the share of the peak, and for one row the GB/s the weights stream at.
+Needs a C compiler (as the kernels do); never run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from twice.core import kernels
+from twice.core.benchmark import shape_config
+
+
+def cpu_peak(threads: int) -> dict[str, float]:
+    """MAC/s of all `threads` threads for float32 FMAs and bf16 dot products (0 = none)."""
+    source = Path(__file__).with_name("cpu_peak.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "cpu_peak"
+        subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", str(source), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    return {name: float(value) for name, value in (line.split() for line in out.splitlines())}
+
+
+def projections(shape: str) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one layer's fused projections and the head, as twice stores them."""
+    c = shape_config(shape)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return [("qkv", q + 2 * kv, c.hidden_size), ("o", c.hidden_size, q), ("gate_up", 2 * c.intermediate_size,
+            c.hidden_size), ("down", c.hidden_size, c.intermediate_size), ("head", c.vocab_size, c.hidden_size)]
+
+
+def time_gemm(lib, dtype: torch.dtype, out: int, n: int, rows: int, threads: int, repeats: int = 5) -> float:
+    """Best seconds per call, weights cycling through copies that add up to ≥ 256 MiB."""
+    el = torch.tensor([], dtype=dtype).element_size()
+    copies = max(1, (256 << 20) // (out * n * el))
+    ws = [torch.randn(out, n).to(dtype) for _ in range(min(copies, 64))]
+    x = torch.randn(rows, n).to(dtype)
+    y = torch.empty(rows, out)
+    bf16 = int(dtype == torch.bfloat16)
+    call = lambda w: lib.gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, rows, bf16, threads)  # noqa: E731
+    for w in ws[:3]:
+        call(w)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in ws:
+            call(w)
+        best = min(best, (time.perf_counter() - t) / len(ws))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,4,16")
+    args = p.parse_args()
+    lib = kernels.library()
+    if lib is None:
+        sys.exit("the native kernels did not build here (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    peak = cpu_peak(args.threads)
+    print(f"multiply-add peak, {args.threads} threads: fp32 {peak['fp32'] / 1e9:.1f} GMAC/s, "
+          f"bf16 {peak['bf16'] / 1e9:.1f} GMAC/s")
+    print(f"{'dtype':8} {'projection':10} {'out × in':>13} {'rows':>4} {'time':>9} {'GMAC/s':>8} {'% peak':>7} {'GB/s':>6}")
+    for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for name, out, n in projections(args.shape):
+            for rows in map(int, args.rows.split(",")):
+                s = time_gemm(lib, dtype, out, n, rows, args.threads)
+                macs = out * n * rows / s
+                share = f"{100 * macs / peak[key]:.0f}%" if peak[key] else "—"
+                gbs = out * n * torch.tensor([], dtype=dtype).element_size() / s / 1e9
+                print(f"{key:8} {name:10} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {macs / 1e9:>8.1f} {share:>7} "
+                      f"{gbs:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()
