@@ -168,3 +168,38 @@ def test_a_token_outside_the_vocabulary_is_refused_before_anything_is_written(mo
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 native(torch.tensor([[3], [bad]]), cache)
             assert cache.length == 3 and torch.equal(cache.k, before)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("march,needs", [("x86-64-v3", "avx2"), ("skylake-avx512", "avx512f")])
+def test_builds_for_older_cpus_compute_the_same(model_dirs, march, needs):
+    """The paths a CPU without AVX-512 BF16 (or without AVX-512) runs: a library built for
+    that instruction set, on this machine, against eager — batched, both dtypes."""
+    import platform
+
+    if platform.machine() != "x86_64" or needs not in _cpu_flags():
+        pytest.skip(f"needs an x86-64 CPU with {needs}")
+    lib = kernels._build(march=march)
+    assert lib is not None
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        m = load(str(model_dirs("llama-hd64")), device="cpu", dtype=str(dtype).removeprefix("torch."))
+        native = NativeDecoder(m.model)
+        native.lib = lib
+        rows = 5
+        a, b = (KVCache(m.config, rows, 64, dtype, "cpu") for _ in range(2))
+        ids = torch.tensor([list(range(3, 22))] * rows)
+        with torch.inference_mode():
+            m.model(ids, a)
+            m.model(ids, b)
+            tok = torch.arange(40, 40 + rows).reshape(rows, 1)
+            for _ in range(20):
+                la, lb = m.model(tok, a).float().reshape(rows, -1), native(tok, b)
+                assert (la - lb).abs().max() < tolerance
+                tok = la.argmax(-1, keepdim=True)
