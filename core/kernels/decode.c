@@ -202,6 +202,30 @@ static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d,
         sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(tail, e));
     }
     const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
+#ifdef __AVX512BW__
+    if (d->bf16) {
+        /* A bf16 value widened is the top half of a float: unpacking a cached row with
+         * zeros widens 32 at once, in an order permuted within 128-bit lanes, which the
+         * accumulators keep until one permute at the end (exact, as load16's shift). */
+        const __m512i zero = _mm512_setzero_si512();
+        for (j = 0; j < n; j++) {
+            const __m512 p = _mm512_set1_ps(s[j] * inv);
+            const uint16_t *row = (const uint16_t *)vc + base + j * D;
+            for (int v = 0; v < NV / 2; v++) {
+                const __m512i raw = _mm512_loadu_si512(row + 32 * v);
+                o[2 * v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw)), o[2 * v]);
+                o[2 * v + 1] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw)), o[2 * v + 1]);
+            }
+        }
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int v = 0; v < NV / 2; v++) {
+            _mm512_storeu_ps(out + 32 * v, _mm512_permutex2var_ps(o[2 * v], first, o[2 * v + 1]));
+            _mm512_storeu_ps(out + 32 * v + 16, _mm512_permutex2var_ps(o[2 * v], second, o[2 * v + 1]));
+        }
+        return;
+    }
+#endif
     for (j = 0; j < n; j++) {
         const __m512 p = _mm512_set1_ps(s[j] * inv);
         for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(p, load16(d, vc, base + j * D + 16 * v), o[v]);
