@@ -42,11 +42,6 @@ static inline float load(const Dims *d, const void *p, int64_t i) {
     return d->bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void store(const Dims *d, void *p, int64_t i, float f) {
-    if (d->bf16) ((uint16_t *)p)[i] = f32_to_bf16(f);
-    else ((float *)p)[i] = f;
-}
-
 #ifdef __AVX512F__
 static inline __m512 load16(const Dims *d, const void *p, int64_t at) {
     if (d->bf16) {  /* bf16 → f32 is a 16-bit shift */
@@ -269,10 +264,28 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
 /* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. */
 static void rope(const Dims *d, float *x, const void *cos, const void *sin, int64_t row) {
     const int64_t D = d->head_dim, h = D / 2;
+    const void *c = (const char *)cos + row * D * (d->bf16 ? 2 : 4), *s = (const char *)sin + row * D * (d->bf16 ? 2 : 4);
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (h % 16 == 0) { /* both halves at once: x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin */
+        for (; i < h; i += 16) {
+            const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + h + i);
+            __m512 a = _mm512_mul_ps(x1, load16(d, c, i)), b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                                              load16(d, s, i));
+            __m512 e = _mm512_mul_ps(x2, load16(d, c, h + i)), f = _mm512_mul_ps(x1, load16(d, s, h + i));
+            if (d->bf16) { a = round_bf16(a); b = round_bf16(b); e = round_bf16(e); f = round_bf16(f); }
+            a = _mm512_add_ps(a, b);
+            e = _mm512_add_ps(e, f);
+            _mm512_storeu_ps(x + i, d->bf16 ? round_bf16(a) : a);
+            _mm512_storeu_ps(x + h + i, d->bf16 ? round_bf16(e) : e);
+        }
+        return;
+    }
+#endif
     float tmp[1024];
-    for (int64_t i = 0; i < D; i++) {
+    for (; i < D; i++) {
         float rot = i < h ? -x[i + h] : x[i - h];
-        tmp[i] = rnd(d, rnd(d, x[i] * load(d, cos, row * D + i)) + rnd(d, rot * load(d, sin, row * D + i)));
+        tmp[i] = rnd(d, rnd(d, x[i] * load(d, c, i)) + rnd(d, rot * load(d, s, i)));
     }
     memcpy(x, tmp, (size_t)D * sizeof(float));
 }
@@ -329,9 +342,13 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             for (int64_t h = 0; h < d->kv_heads; h++) {
                 if (L->k_norm) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
                 rope(d, k + h * D, cos, sin, position);
-                for (int64_t i = 0; i < D; i++) {
-                    store(d, kc, (h * capacity + column) * D + i, k[h * D + i]);
-                    store(d, vc, (h * capacity + column) * D + i, v[h * D + i]);
+                const int64_t at = (h * capacity + column) * D;
+                if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
+                    narrow(k + h * D, (uint16_t *)kc + at, D);
+                    narrow(v + h * D, (uint16_t *)vc + at, D);
+                } else {
+                    memcpy((float *)kc + at, k + h * D, D * sizeof(float));
+                    memcpy((float *)vc + at, v + h * D, D * sizeof(float));
                 }
             }
         }
