@@ -37,10 +37,11 @@ def bench(
 ):
     """Measure TTFT, prefill and decode speed, latency percentiles and memory of twice against
     transformers (same weights, dtype, device, threads), with the device's measured memory
-    bandwidth as the roofline for decode."""
+    bandwidth as the roofline for decode (and, on the CPU, its measured multiply-add peak as
+    the roofline for batches)."""
     from twice.core import benchmark as b
 
-    from .bench_render import bandwidth_line, results_table, suite_json
+    from .bench_render import bandwidth_line, peak_line, results_table, suite_json
 
     err = err_console()
     if threads is not None:
@@ -79,10 +80,14 @@ def bench(
     results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say)
     say("measuring memory bandwidth again")
     bandwidth = b.best_bandwidth(before, b.measure_bandwidth(setup["device"]))
-    wide_console(stderr=False, min_width=170).print(results_table(results, setup, bandwidth))
+    say("measuring the multiply-add peak")
+    peak = b.measure_compute_peak(net)
+    wide_console(stderr=False, min_width=180).print(results_table(results, setup, bandwidth, peak))
     err.print(bandwidth_line(bandwidth))
+    if peak is not None:
+        err.print(peak_line(peak))
     if json_out is not None:
-        json_out.write_text(json.dumps(suite_json(results, setup, bandwidth), indent=1))
+        json_out.write_text(json.dumps(suite_json(results, setup, bandwidth, peak), indent=1))
         err.print(f"wrote {json_out}")
     if plot is not None:
         from .bench_render import latency_plot

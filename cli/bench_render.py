@@ -17,12 +17,19 @@ def ratio(value: float, reference: float | None) -> str:
     return f"{value / reference:.2f}×" if reference else "—"
 
 
-def results_table(results, setup: dict, bandwidth: dict) -> Table:
+def _fraction_of_peak(r, peak: dict | None) -> float | None:
+    """The run's multiply-adds per second over the measured peak (None: no peak, or naive)."""
+    if peak is None or r.engine == "naive" or not r.macs_per_token:
+        return None
+    return r.macs_per_step() * (r.decode_tokens_per_s / r.batch) / peak["macs_per_s"]
+
+
+def results_table(results, setup: dict, bandwidth: dict, peak: dict | None = None) -> Table:
     read = bandwidth["read_bytes_per_s"]
     t = Table(title=f"twice bench · {setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads",
               title_justify="left", header_style="bold")
     for col in ("workload", "engine", "P", "G", "B", "TTFT", "prefill tok/s", "decode tok/s", "p50", "p99",
-                "peak +mem", "decode vs hf", "prefill vs hf", "% mem bw"):
+                "peak +mem", "decode vs hf", "prefill vs hf", "% mem bw", "% MAC peak"):
         t.add_column(col, justify="left" if col in ("workload", "engine") else "right")
     for w, r in results:
         ref = _reference(results, w)
@@ -32,10 +39,13 @@ def results_table(results, setup: dict, bandwidth: dict) -> Table:
                   seconds(r.step_p99_s), human_bytes(r.peak_memory_bytes),
                   ratio(r.decode_tokens_per_s, ref.decode_tokens_per_s if ref else None),
                   ratio(r.prefill_tokens_per_s, ref.prefill_tokens_per_s if ref else None),
-                  f"{100 * frac:.0f}%" if frac else "—")
+                  f"{100 * frac:.0f}%" if frac else "—",
+                  f"{100 * compute:.0f}%" if (compute := _fraction_of_peak(r, peak)) else "—")
     t.caption = ("TTFT: start → first token. decode tok/s: (tokens − 1) ÷ (last − first token), summed over the batch. "
                  "peak +mem: memory added during the run on top of the loaded weights. % mem bw: (weights + mean KV "
-                 "read per step) × steps/s ÷ the measured read bandwidth.")
+                 "read per step) × steps/s ÷ the measured read bandwidth (decode's limit at batch 1). % MAC peak: multiply-adds "
+                 "per step (matrices + attention at the mean position, whole batch) × steps/s ÷ the measured "
+                 "multiply-add peak (the limit as batches grow).")
     return t
 
 
@@ -47,7 +57,12 @@ def bandwidth_line(bandwidth: dict) -> str:
             + f", copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s")
 
 
-def suite_json(results, setup: dict, bandwidth: dict) -> dict:
+def peak_line(peak: dict) -> str:
+    return (f"multiply-add peak on {peak['device']} ({peak['threads']} threads, {peak['dtype']}, registers only): "
+            f"{peak['macs_per_s'] / 1e9:.1f} GMAC/s")
+
+
+def suite_json(results, setup: dict, bandwidth: dict, peak: dict | None = None) -> dict:
     rows = []
     for w, r in results:
         ref = _reference(results, w)
@@ -56,8 +71,9 @@ def suite_json(results, setup: dict, bandwidth: dict) -> dict:
         d["prefill_vs_transformers"] = r.prefill_tokens_per_s / ref.prefill_tokens_per_s if ref else None
         d["fraction_of_bandwidth"] = (r.bytes_read_per_step() * r.decode_tokens_per_s / r.batch
                                       / bandwidth["read_bytes_per_s"]) if r.engine != "naive" else None
+        d["fraction_of_compute_peak"] = _fraction_of_peak(r, peak)
         rows.append(d)
-    return {"setup": setup, "bandwidth": bandwidth, "results": rows}
+    return {"setup": setup, "bandwidth": bandwidth, "compute_peak": peak, "results": rows}
 
 
 def latency_plot(results, path: Path, setup: dict) -> None:

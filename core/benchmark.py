@@ -66,15 +66,23 @@ class Run:
     compile_s: float = 0.0
     steps_s: list[float] = field(default_factory=list)  # per decode step (median run)
     repeats: int = 1
+    macs_per_token: int = 0  # the model's matrices, once per generated token (model_macs)
+    attention_macs_per_position: int = 0  # q·k and p·v, per token per cached position
 
     def bytes_read_per_step(self) -> int:
         """Weights once plus the KV cache read at the mean position, per step (one batch)."""
         mean_tokens = self.prompt_tokens + self.new_tokens / 2
         return self.weight_bytes + self.batch * int(self.kv_bytes_per_token * mean_tokens)
 
+    def macs_per_step(self) -> int:
+        """Multiply-adds of one step for the whole batch, attention at the mean position."""
+        mean_tokens = self.prompt_tokens + self.new_tokens / 2
+        return self.batch * int(self.macs_per_token + self.attention_macs_per_position * mean_tokens)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["bytes_read_per_step"] = self.bytes_read_per_step()
+        d["macs_per_step"] = self.macs_per_step()
         return d
 
 
@@ -374,6 +382,34 @@ def _head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def model_macs(model: CausalLM) -> tuple[int, int]:
+    """Multiply-adds per generated token: every matrix of the layers and the head once
+    (embedding rows are looked up, not multiplied); and per cached position attended, q·k
+    and p·v for every query head of every layer."""
+    head = model.lm_head_weight
+    matrices = sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) and m.weight is not head)
+    c = model.config
+    return matrices + head.numel(), 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+
+
+def measure_compute_peak(model: CausalLM) -> dict | None:
+    """The CPU's multiply-add peak in the model's dtype on torch's threads (kernels/peak.c),
+    the roofline of batched decode as bandwidth is batch 1's; None on a GPU or where the
+    kernels have no such instructions."""
+    from . import kernels
+
+    first = next(model.parameters())
+    if first.device.type != "cpu":
+        return None
+    threads = torch.get_num_threads()
+    peak = max(kernels.peak_macs(first.dtype, threads) or 0 for _ in range(3))  # best of 3: a shared machine
+    if not peak:
+        return None
+    return {"macs_per_s": peak, "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)), "threads": threads,
+            "device": "cpu"}
+
+
 def describe_setup(model: CausalLM) -> dict:
     first = next(model.parameters())
     return {"device": str(first.device), "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)),
@@ -467,5 +503,6 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
                     continue
                 run = run_transformers(hf, w.prompt_tokens, w.new_tokens, w.batch, repeats,
                                        static_cache=name == "transformers-static")
+            run.macs_per_token, run.attention_macs_per_position = model_macs(model)
             results.append((w, run))
     return results

@@ -65,36 +65,46 @@ def add_peer(data: dict, subject: dict, dtype: str, args, out_dir: Path) -> None
                     "--workloads", workloads, "--repeats", str(args.repeats), "--json", str(peer_json)], check=True)
     hf = {r["workload"]: r for r in data["results"] if r["engine"] == "transformers"}
     read = data["bandwidth"]["read_bytes_per_s"] if data.get("bandwidth") else None
+    peak = (data.get("compute_peak") or {}).get("macs_per_s")
     for r in json.loads(peer_json.read_text()):
         base = hf.get(r["workload"])
         if base:
             r["decode_vs_transformers"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             r["prefill_vs_transformers"] = r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
-            if read:  # the same bytes per step as transformers reads (same weights, same dtype)
+            # The same bytes and multiply-adds per step as transformers (same weights and dtype).
+            if read:
                 r["fraction_of_bandwidth"] = base["bytes_read_per_step"] * r["decode_tokens_per_s"] / read
+            if peak and base.get("macs_per_step"):
+                r["fraction_of_compute_peak"] = base["macs_per_step"] * r["decode_tokens_per_s"] / r["batch"] / peak
         data["results"].append(r)
 
 
 def markdown(runs: list[dict]) -> str:
     lines = ["| model | dtype | workload | engine | TTFT | prefill tok/s | decode tok/s | p50 / p99 step | "
-             "peak +mem | decode vs transformers | prefill vs transformers | % of read bandwidth |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak +mem | decode vs transformers | prefill vs transformers | % of read bandwidth | % of MAC peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for data in runs:
         s = data["setup"]
         for r in data["results"]:
             vs = lambda k: f"{r[k]:.2f}×" if r.get(k) else "—"  # noqa: E731
-            frac = f"{100 * r['fraction_of_bandwidth']:.0f}%" if r.get("fraction_of_bandwidth") else "—"
+            share = lambda k: f"{100 * r[k]:.0f}%" if r.get(k) else "—"  # noqa: E731
             lines.append(
                 f"| {data['label']} | {s['dtype']} | {r['workload']} (P={r['prompt_tokens']}, G={r['new_tokens']}, "
                 f"B={r['batch']}) | {r['engine']} | {r['ttft_s'] * 1000:.0f} ms | {r['prefill_tokens_per_s']:,.0f} | "
                 f"{r['decode_tokens_per_s']:,.1f} | {r['step_p50_s'] * 1000:.1f} / {r['step_p99_s'] * 1000:.1f} ms | "
                 f"{r['peak_memory_bytes'] / 2**20:.0f} MiB | {vs('decode_vs_transformers')} | "
-                f"{vs('prefill_vs_transformers')} | {frac} |")
-    bw = runs[0]["bandwidth"] if runs else None
-    if bw:
-        lines.append("")
-        lines.append(f"Measured memory bandwidth ({bw['device']}, {bw['threads']} threads): read "
-                     f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s.")
+                f"{vs('prefill_vs_transformers')} | {share('fraction_of_bandwidth')} | "
+                f"{share('fraction_of_compute_peak')} |")
+    lines.append("")
+    for data in runs:  # each run measured its own limits
+        bw, peak = data.get("bandwidth"), data.get("compute_peak")
+        line = f"{data['label']} {data['setup']['dtype']}:"
+        if bw:
+            line += (f" memory bandwidth ({bw['device']}, {bw['threads']} threads) read "
+                     f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s;")
+        if peak:
+            line += f" multiply-add peak {peak['macs_per_s'] / 1e9:.1f} GMAC/s."
+        lines.append(line + "  ")
     return "\n".join(lines)
 
 

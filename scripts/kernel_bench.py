@@ -2,10 +2,10 @@
 """How close the native matrix kernels come to this CPU's limits, on a model's shapes.
 
 Batch 1 decode is bound by memory bandwidth; a batch reads each weight once for all its
-rows and becomes bound by the vector units instead. This script measures both limits
-itself — the multiply-add peak with scripts/cpu_peak.c (registers only) and nothing else —
-and then twice's `gemm` kernel (core/kernels/gemv.c) on each projection of the model,
-weights cycling through copies larger than the caches, for 1, 4 and 16 rows:
+rows and becomes bound by the vector units instead. This script measures the multiply-add
+peak (core/kernels/peak.c, registers only, as `twice bench` does) and then twice's `gemm`
+kernel (core/kernels/gemv.c) on each projection of the model, the weights cycling through
+copies larger than the caches, for 1, 4 and 16 rows:
 
     python scripts/kernel_bench.py                    # SmolLM2-135M shapes, 2 threads
     python scripts/kernel_bench.py --shape llama-3.2-1b --threads 8
@@ -17,28 +17,13 @@ Needs a C compiler (as the kernels do); never run in CI.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from twice.core import kernels
 from twice.core.benchmark import shape_config
-
-
-def cpu_peak(threads: int) -> dict[str, float]:
-    """MAC/s of all `threads` threads for float32 FMAs and bf16 dot products (0 = none)."""
-    source = Path(__file__).with_name("cpu_peak.c")
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "cpu_peak"
-        subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", str(source), "-o", str(exe)], check=True)
-        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
-    return {name: float(value) for name, value in (line.split() for line in out.splitlines())}
 
 
 def projections(shape: str) -> list[tuple[str, int, int]]:
@@ -79,7 +64,8 @@ def main() -> None:
     if lib is None:
         sys.exit("the native kernels did not build here (no C compiler?)")
     torch.set_num_threads(args.threads)
-    peak = cpu_peak(args.threads)
+    peak = {key: max(kernels.peak_macs(dtype, args.threads) or 0 for _ in range(3))
+            for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(f"multiply-add peak, {args.threads} threads: fp32 {peak['fp32'] / 1e9:.1f} GMAC/s, "
           f"bf16 {peak['bf16'] / 1e9:.1f} GMAC/s")
     print(f"{'dtype':8} {'projection':10} {'out × in':>13} {'rows':>4} {'time':>9} {'GMAC/s':>8} {'% peak':>7} {'GB/s':>6}")

@@ -7,7 +7,8 @@ from clirun import run_inprocess
 RUN_FIELDS = {"workload", "engine", "prompt_tokens", "new_tokens", "batch", "ttft_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "step_p50_s", "step_p99_s", "peak_memory_bytes", "weight_bytes",
               "kv_bytes_per_token", "compile_s", "steps_s", "repeats", "bytes_read_per_step",
-              "decode_vs_transformers", "prefill_vs_transformers", "fraction_of_bandwidth"}
+              "decode_vs_transformers", "prefill_vs_transformers", "fraction_of_bandwidth", "macs_per_token",
+              "attention_macs_per_position", "macs_per_step", "fraction_of_compute_peak"}
 
 
 def test_bench_tiny_shape_json_has_every_field(tmp_path, capsys):
@@ -34,11 +35,23 @@ def test_bench_tiny_shape_json_has_every_field(tmp_path, capsys):
 
     if kernels.available():  # the native step runs batch 1 and batches alike
         assert {("decode", "twice-native"), ("batch4", "twice-native")} <= engines
+    peak = data["compute_peak"]
+    if peak is not None:  # measured where the kernels built with vector multiply-adds
+        assert peak["macs_per_s"] > 1e9 and peak["dtype"] == data["setup"]["dtype"] and "MAC peak" in r.out
     for row in rows:
         assert RUN_FIELDS <= set(row), RUN_FIELDS - set(row)
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["ttft_s"] > 0
         if row["engine"] != "transformers":
             assert row["decode_vs_transformers"] > 0
+        # The tiny shape's matrices: 2 layers × (q, k, v, o: 64·(64+32+32+64); gate, up, down: 3·64·128)
+        # + the tied head 512·64; attention: 2 · 2 layers · 4 heads · 16 dims per position.
+        assert row["macs_per_token"] == 2 * (64 * 192 + 3 * 64 * 128) + 512 * 64
+        assert row["attention_macs_per_position"] == 2 * 2 * 4 * 16
+        mean = row["prompt_tokens"] + row["new_tokens"] / 2
+        assert row["macs_per_step"] == row["batch"] * int(row["macs_per_token"] + 256 * mean)
+        if peak is not None and row["engine"] != "naive":
+            assert row["fraction_of_compute_peak"] == row["macs_per_step"] * row["decode_tokens_per_s"] / row[
+                "batch"] / peak["macs_per_s"]
     naive = next(x for x in rows if x["engine"] == "naive")
     assert len(naive["steps_s"]) == naive["new_tokens"] - 1
     assert "decode vs hf" in r.out and "twice" in r.out

@@ -3,8 +3,10 @@
 `gemv` (gemv.c) is the matrix-vector product of batch-1 decode. It is registered as the
 torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other op.
 `decode_step` (decode.c) runs a whole llama-family decode step in one call
-(native_decode.py). When no C compiler is there, or it fails, `available()` is False and
-decode uses the eager or torch.compile'd path instead; nothing else changes.
+(native_decode.py). `peak_macs` (peak.c) measures the multiply-add peak that batched
+decode is held against (`twice bench`). When no C compiler is there, or it fails,
+`available()` is False and decode uses the eager or torch.compile'd path instead;
+nothing else changes.
 
 The shared library lands in <cache>/kernels/, named by a hash of the source, the flags
 and the machine, built into a temporary name and renamed, so concurrent first runs and
@@ -26,7 +28,7 @@ import torch
 
 from ..paths import cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h")]  # part of the build's hash
 _STATE: dict = {}
 
@@ -91,6 +93,8 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.decode_step.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, p, ctypes.c_int]
+    handle.peak_macs.restype = ctypes.c_double
+    handle.peak_macs.argtypes = [ctypes.c_int, ctypes.c_int, i64]
     return handle
 
 
@@ -130,6 +134,16 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def peak_macs(dtype: torch.dtype, threads: int) -> float | None:
+    """This CPU's multiply-adds per second in `dtype` on `threads` threads, measured
+    (peak.c, ~0.03 s); None where the kernels did not build or have no such instructions."""
+    lib = library()
+    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    value = lib.peak_macs(int(dtype == torch.bfloat16), threads, 10_000_000)
+    return value or None
 
 
 @torch.library.custom_op("twice::gemv", mutates_args=())
