@@ -4,7 +4,10 @@
  *
  * Decode is memory-bound: the time goes to reading each weight once (gemv.c). What this
  * file removes is everything around those reads: per-op dispatch, graph guards and
- * allocation, which for a 135M model cost as much as the reads themselves.
+ * allocation, which for a 135M model cost as much as the reads themselves. A batch
+ * reads the weights once for all its rows and turns compute-bound, and then the
+ * element-wise work (norms, rotary, softmax, SiLU, roundings) shows: it runs on vectors
+ * (vec.h), with scalar loops for the edges and for CPUs without AVX-512.
  *
  * Numerics follow the eager PyTorch path (core/llama.py) step for step: activations are
  * held in float32 and rounded to the model dtype (`rnd`) wherever the eager path stores a
