@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .hugepages import place_parameters
 from .gpt2 import GPT2Model
 from .llama import LlamaModel
 from .model import CausalLM
@@ -33,5 +34,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
     if config.tie_word_embeddings and hasattr(model, "lm_head"):
         raise AssertionError("tied models have no separate head")
     model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        place_parameters(model)  # before the loader writes them: decode reads them every token
     model.prepare(device, dtype)
     return model

@@ -1,0 +1,65 @@
+"""Weights in huge pages on the CPU.
+
+Decode streams every weight once per token. With 4 KiB pages that is a TLB miss every
+4 KiB (66,000 for a 270 MB model, every token); in 2 MiB pages it is 135. On the 2-vCPU
+test machine that alone made SmolLM2-135M's native decode 1.43× (fp32) and 1.48× (bf16)
+faster at batch 1 and 1.12× at batch 16 (two models side by side in one process).
+
+Linux gives huge pages to anonymous memory advised with MADV_HUGEPAGE when it is first
+touched (transparent huge pages in "madvise" or "always" mode), so the parameters are
+moved, before anything is written into them, into one such mapping: one view per
+parameter, each 4 KiB-aligned. Elsewhere, or if the advice is refused, they stay as
+they are; nothing else changes (TWICE_HUGE_PAGES=0 turns it off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+import torch
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def _advise(address: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def place_parameters(model: torch.nn.Module) -> bool:
+    """Move `model`'s CPU parameters (not yet written: their storage is untouched) into one
+    anonymous mapping advised for huge pages. True if done."""
+    if not sys.platform.startswith("linux") or os.environ.get("TWICE_HUGE_PAGES", "1") == "0":
+        return False
+    params = [p for p in model.parameters() if p.device.type == "cpu"]
+    if not params:
+        return False
+    sizes = [(p.nbytes + 4095) // 4096 * 4096 for p in params]
+    total = sum(sizes)
+    if total < _HUGE:  # a tiny model gains nothing
+        return False
+    try:
+        region = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return False
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    start = -base % _HUGE  # the first parameter begins on a huge-page boundary
+    if not _advise(base + start, total):
+        region.close()
+        return False
+    memory = torch.frombuffer(region, dtype=torch.uint8)
+    offset = start
+    with torch.no_grad():
+        for p, size in zip(params, sizes):
+            p.data = memory[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
+            offset += size
+    model._huge_page_region = region  # the views borrow its memory: keep it as long as the model
+    return True
