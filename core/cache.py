@@ -15,6 +15,16 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .hugepages import zeros
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """On the CPU in huge pages where the OS gives them (hugepages.py), else as usual."""
+    if torch.device(device).type == "cpu":
+        t = zeros(shape, dtype)
+        if t is not None:
+            return t
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVCache:
@@ -33,8 +43,8 @@ class KVCache:
         self.batch = batch
         self.capacity = capacity
         shape = (self.num_layers, batch, self.kv_heads, capacity, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.length = 0  # columns [0, length) hold keys/values
         # First real column of each row (left padding before it); None = no padding.
         self.starts: torch.Tensor | None = None
@@ -86,8 +96,8 @@ class KVCache:
         if capacity <= self.capacity:
             return
         shape = (self.num_layers, self.batch, self.kv_heads, capacity, self.head_dim)
-        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
-        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)
+        k = _zeros(shape, self.k.dtype, self.k.device)
+        v = _zeros(shape, self.v.dtype, self.v.device)
         k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
         v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
         # Swapped together, so an interrupt never leaves K and V of different sizes.

@@ -42,3 +42,18 @@ def test_parameters_live_in_one_advised_region_and_compute_the_same(monkeypatch)
 def test_small_models_stay_where_they_are(monkeypatch):
     m = _model(monkeypatch, True, {**CONFIG, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64})
     assert not hasattr(m, "_huge_page_region")
+
+
+def test_a_large_kv_cache_is_zeroed_huge_page_memory_and_grows_keeping_its_columns(monkeypatch):
+    config = config_from_dict(dict(CONFIG))  # 2 layers × 2 kv heads × 64 dims × 4 B = 2 KiB per token
+    monkeypatch.setenv("TWICE_HUGE_PAGES", "1")
+    cache = KVCache(config, 2, 1024, torch.float32, "cpu")  # 4 MiB each for K and V
+    for t in (cache.k, cache.v):
+        assert t.data_ptr() % (2 << 20) == 0 and t.shape == (2, 2, 2, 1024, 64) and not t.any()
+    cache.k[:, :, :, :3] = 1.5
+    cache.length = 3
+    cache.grow(2048)
+    assert cache.k.data_ptr() % (2 << 20) == 0 and cache.k.shape[3] == 2048
+    assert (cache.k[:, :, :, :3] == 1.5).all() and not cache.k[:, :, :, 3:].any()
+    monkeypatch.setenv("TWICE_HUGE_PAGES", "0")
+    assert KVCache(config, 2, 1024, torch.float32, "cpu").k.data_ptr() % (2 << 20) != 0
