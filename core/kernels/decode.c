@@ -53,6 +53,9 @@ static inline __m512 load16(const Dims *d, const void *p, int64_t at) {
     }
     return _mm512_loadu_ps((const float *)p + at);
 }
+
+/* rnd on 16 lanes. */
+static inline __m512 rnd16(const Dims *d, __m512 v) { return d->bf16 ? round_bf16(v) : v; }
 #endif
 
 /* y[i] = rnd(y[i] + t[i] + b[i]) over n elements, t (float32) and b (model dtype) each
@@ -65,7 +68,7 @@ static void add_round(const Dims *d, float *y, const float *t, const void *b, in
         __m512 v = _mm512_loadu_ps(y + i);
         if (t) v = _mm512_add_ps(v, _mm512_loadu_ps(t + i));
         if (b) v = _mm512_add_ps(v, load16(d, b, i));
-        _mm512_storeu_ps(y + i, d->bf16 ? round_bf16(v) : v);
+        _mm512_storeu_ps(y + i, rnd16(d, v));
     }
 #endif
     for (; i < n; i++) y[i] = rnd(d, y[i] + (t ? t[i] : 0.0f) + (b ? load(d, b, i) : 0.0f));
@@ -256,9 +259,8 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(r));
-        if (d->bf16) v = round_bf16(v);
-        v = _mm512_mul_ps(load16(d, w, i), v);
-        _mm512_storeu_ps(y + i, d->bf16 ? round_bf16(v) : v);
+        v = _mm512_mul_ps(load16(d, w, i), rnd16(d, v));
+        _mm512_storeu_ps(y + i, rnd16(d, v));
     }
 #endif
     for (; i < n; i++) y[i] = rnd(d, load(d, w, i) * rnd(d, x[i] * r));
@@ -267,7 +269,8 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
 /* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. */
 static void rope(const Dims *d, float *x, const void *cos, const void *sin, int64_t row) {
     const int64_t D = d->head_dim, h = D / 2;
-    const void *c = (const char *)cos + row * D * (d->bf16 ? 2 : 4), *s = (const char *)sin + row * D * (d->bf16 ? 2 : 4);
+    const int64_t at = row * D * (d->bf16 ? 2 : 4); /* this position's row of each table, in bytes */
+    const void *c = (const char *)cos + at, *s = (const char *)sin + at;
     int64_t i = 0;
 #ifdef __AVX512F__
     if (h % 16 == 0) { /* both halves at once: x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin */
@@ -276,11 +279,10 @@ static void rope(const Dims *d, float *x, const void *cos, const void *sin, int6
             __m512 a = _mm512_mul_ps(x1, load16(d, c, i)), b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
                                                                               load16(d, s, i));
             __m512 e = _mm512_mul_ps(x2, load16(d, c, h + i)), f = _mm512_mul_ps(x1, load16(d, s, h + i));
-            if (d->bf16) { a = round_bf16(a); b = round_bf16(b); e = round_bf16(e); f = round_bf16(f); }
-            a = _mm512_add_ps(a, b);
-            e = _mm512_add_ps(e, f);
-            _mm512_storeu_ps(x + i, d->bf16 ? round_bf16(a) : a);
-            _mm512_storeu_ps(x + h + i, d->bf16 ? round_bf16(e) : e);
+            a = _mm512_add_ps(rnd16(d, a), rnd16(d, b));
+            e = _mm512_add_ps(rnd16(d, e), rnd16(d, f));
+            _mm512_storeu_ps(x + i, rnd16(d, a));
+            _mm512_storeu_ps(x + h + i, rnd16(d, e));
         }
         return;
     }
@@ -383,9 +385,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             for (; i + 16 <= d->inter; i += 16) {
                 const __m512 g = _mm512_loadu_ps(gu + i), up = _mm512_loadu_ps(gu + d->inter + i);
                 __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                if (d->bf16) a = round_bf16(a);
-                a = _mm512_mul_ps(a, up);
-                _mm512_storeu_ps(h + i, d->bf16 ? round_bf16(a) : a);
+                a = _mm512_mul_ps(rnd16(d, a), up);
+                _mm512_storeu_ps(h + i, rnd16(d, a));
             }
 #endif
             for (; i < d->inter; i++) {

@@ -148,26 +148,19 @@ static int tile_width(int bf16) {
 }
 
 /* One 4-row tile against `nb` (1–4) vectors; the tile loops are instantiated per nb. */
+#define BY_NB(TILE)                                            \
+    switch (nb) {                                              \
+    case 4: TILE(4, w, x, y, out, n); return;                  \
+    case 3: TILE(3, w, x, y, out, n); return;                  \
+    case 2: TILE(2, w, x, y, out, n); return;                  \
+    default: TILE(1, w, x, y, out, n); return;                 \
+    }
 static void tile(int bf16, int nb, const void *w, const void *x, float *y, int64_t out, int64_t n) {
 #ifdef __AVX512BF16__
-    if (bf16) {
-        switch (nb) {
-        case 4: tile_bf16(4, w, x, y, out, n); return;
-        case 3: tile_bf16(3, w, x, y, out, n); return;
-        case 2: tile_bf16(2, w, x, y, out, n); return;
-        default: tile_bf16(1, w, x, y, out, n); return;
-        }
-    }
+    if (bf16) BY_NB(tile_bf16)
 #endif
 #ifdef __AVX512F__
-    if (!bf16) {
-        switch (nb) {
-        case 4: tile_f32(4, w, x, y, out, n); return;
-        case 3: tile_f32(3, w, x, y, out, n); return;
-        case 2: tile_f32(2, w, x, y, out, n); return;
-        default: tile_f32(1, w, x, y, out, n); return;
-        }
-    }
+    if (!bf16) BY_NB(tile_f32)
 #endif
 }
 
