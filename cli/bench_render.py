@@ -17,6 +17,14 @@ def ratio(value: float, reference: float | None) -> str:
     return f"{value / reference:.2f}×" if reference else "—"
 
 
+def _fraction_of_bandwidth(r, bandwidth: dict) -> float | None:
+    """The run's bytes read per second over the measured read bandwidth (None: naive)."""
+    read = bandwidth["read_bytes_per_s"]
+    if not read or r.engine == "naive":
+        return None
+    return r.bytes_read_per_step() * (r.decode_tokens_per_s / r.batch) / read
+
+
 def _fraction_of_peak(r, peak: dict | None) -> float | None:
     """The run's multiply-adds per second over the measured peak (None: no peak, or naive)."""
     if peak is None or r.engine == "naive" or not r.macs_per_token:
@@ -25,7 +33,6 @@ def _fraction_of_peak(r, peak: dict | None) -> float | None:
 
 
 def results_table(results, setup: dict, bandwidth: dict, peak: dict | None = None) -> Table:
-    read = bandwidth["read_bytes_per_s"]
     t = Table(title=f"twice bench · {setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads",
               title_justify="left", header_style="bold")
     for col in ("workload", "engine", "P", "G", "B", "TTFT", "prefill tok/s", "decode tok/s", "p50", "p99",
@@ -33,7 +40,7 @@ def results_table(results, setup: dict, bandwidth: dict, peak: dict | None = Non
         t.add_column(col, justify="left" if col in ("workload", "engine") else "right")
     for w, r in results:
         ref = _reference(results, w)
-        frac = r.bytes_read_per_step() * (r.decode_tokens_per_s / r.batch) / read if read and r.engine != "naive" else 0
+        frac = _fraction_of_bandwidth(r, bandwidth)
         t.add_row(w.name, r.engine, str(r.prompt_tokens), str(r.new_tokens), str(r.batch), seconds(r.ttft_s),
                   f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.1f}", seconds(r.step_p50_s),
                   seconds(r.step_p99_s), human_bytes(r.peak_memory_bytes),
@@ -69,8 +76,7 @@ def suite_json(results, setup: dict, bandwidth: dict, peak: dict | None = None) 
         d = {"workload": w.name, **r.to_dict()}
         d["decode_vs_transformers"] = r.decode_tokens_per_s / ref.decode_tokens_per_s if ref else None
         d["prefill_vs_transformers"] = r.prefill_tokens_per_s / ref.prefill_tokens_per_s if ref else None
-        d["fraction_of_bandwidth"] = (r.bytes_read_per_step() * r.decode_tokens_per_s / r.batch
-                                      / bandwidth["read_bytes_per_s"]) if r.engine != "naive" else None
+        d["fraction_of_bandwidth"] = _fraction_of_bandwidth(r, bandwidth)
         d["fraction_of_compute_peak"] = _fraction_of_peak(r, peak)
         rows.append(d)
     return {"setup": setup, "bandwidth": bandwidth, "compute_peak": peak, "results": rows}

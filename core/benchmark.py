@@ -69,15 +69,18 @@ class Run:
     macs_per_token: int = 0  # the model's matrices, once per generated token (model_macs)
     attention_macs_per_position: int = 0  # q·k and p·v, per token per cached position
 
+    @property
+    def mean_position(self) -> float:
+        """The cache length halfway through decode: where per-step costs are averaged."""
+        return self.prompt_tokens + self.new_tokens / 2
+
     def bytes_read_per_step(self) -> int:
         """Weights once plus the KV cache read at the mean position, per step (one batch)."""
-        mean_tokens = self.prompt_tokens + self.new_tokens / 2
-        return self.weight_bytes + self.batch * int(self.kv_bytes_per_token * mean_tokens)
+        return self.weight_bytes + self.batch * int(self.kv_bytes_per_token * self.mean_position)
 
     def macs_per_step(self) -> int:
         """Multiply-adds of one step for the whole batch, attention at the mean position."""
-        mean_tokens = self.prompt_tokens + self.new_tokens / 2
-        return self.batch * int(self.macs_per_token + self.attention_macs_per_position * mean_tokens)
+        return self.batch * int(self.macs_per_token + self.attention_macs_per_position * self.mean_position)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -403,8 +406,8 @@ def measure_compute_peak(model: CausalLM) -> dict | None:
     if first.device.type != "cpu":
         return None
     threads = torch.get_num_threads()
-    peak = max(kernels.peak_macs(first.dtype, threads) or 0 for _ in range(3))  # best of 3: a shared machine
-    if not peak:
+    peak = kernels.peak_macs(first.dtype, threads)
+    if peak is None:
         return None
     return {"macs_per_s": peak, "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)), "threads": threads,
             "device": "cpu"}
@@ -475,6 +478,7 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
         return engines_by_name[name]
 
     hf = None
+    macs = model_macs(model)  # the same for every engine: they run the same weights
     results: list[tuple[Workload, Run]] = []
     for w in workloads:
         for name in engines or default_engines(w, model):
@@ -503,6 +507,6 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
                     continue
                 run = run_transformers(hf, w.prompt_tokens, w.new_tokens, w.batch, repeats,
                                        static_cache=name == "transformers-static")
-            run.macs_per_token, run.attention_macs_per_position = model_macs(model)
+            run.macs_per_token, run.attention_macs_per_position = macs
             results.append((w, run))
     return results

@@ -67,13 +67,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
 def place_parameters(model: torch.nn.Module) -> bool:
     """Move `model`'s CPU parameters (not yet written: their storage is untouched) into one
     anonymous mapping advised for huge pages. True if done."""
-    if not sys.platform.startswith("linux") or os.environ.get("TWICE_HUGE_PAGES", "1") == "0":
-        return False
     params = [p for p in model.parameters() if p.device.type == "cpu"]
     if not params:
         return False
     sizes = [(p.nbytes + 4095) // 4096 * 4096 for p in params]
-    got = _region(sum(sizes))  # a tiny model (under 2 MiB) gains nothing: None
+    got = _region(sum(sizes))  # None: not Linux, turned off, or a tiny model (under 2 MiB)
     if got is None:
         return False
     region, start = got

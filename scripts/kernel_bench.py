@@ -64,7 +64,7 @@ def main() -> None:
     if lib is None:
         sys.exit("the native kernels did not build here (no C compiler?)")
     torch.set_num_threads(args.threads)
-    peak = {key: max(kernels.peak_macs(dtype, args.threads) or 0 for _ in range(3))
+    peak = {key: kernels.peak_macs(dtype, args.threads) or 0
             for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(f"multiply-add peak, {args.threads} threads: fp32 {peak['fp32'] / 1e9:.1f} GMAC/s, "
           f"bf16 {peak['bf16'] / 1e9:.1f} GMAC/s")
