@@ -65,11 +65,14 @@ def hf_config(family: str):
         return Qwen2Config(**{**common, "num_key_value_heads": 1, "tie_word_embeddings": True})
     if family == "qwen3":  # explicit head_dim that is not hidden/heads
         return Qwen3Config(**{**common, "head_dim": 24})
-    # Real head sizes (64, 128): the native decode step has vector code for exactly these.
+    # Real head sizes (64, 128): the native decode step has vector code for exactly these,
+    # and takes the query heads of one kv head 4 (64) or 2 (128) at a time: groups of 5 and
+    # 3 leave a remainder.
     if family == "llama-hd64":
-        return LlamaConfig(**{**common, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+        return LlamaConfig(**{**common, "hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1,
+                              "head_dim": 64})
     if family == "qwen3-hd128":
-        return Qwen3Config(**{**common, "head_dim": 128})
+        return Qwen3Config(**{**common, "hidden_size": 96, "head_dim": 128, "num_attention_heads": 6, "num_key_value_heads": 2})
     if family == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                           initializer_range=0.08, bos_token_id=0, eos_token_id=2)

@@ -158,17 +158,25 @@ static inline __attribute__((always_inline)) __m512 key_dot(const Dims *d, const
     return acc;
 }
 
-/* The same with the query and the output held in registers for the whole pass over the
- * cache (head_dim = 16·NV): each key and value row is loaded once and never written.
- * Scores come 16 keys at a time (their 16 partial sums folded into one vector), so the
- * max, the exponentials and the sum run on vectors. */
-static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d, const int NV, const float *qh,
-                                                                  const void *kc, const void *vc, int64_t base,
-                                                                  int64_t n, float *s, float *out) {
-    const int64_t D = 16 * NV;
-    __m512 q[8], o[8];
+/* Softmax(q·K · scale) of one query head over n cached keys (rows D apart from element
+ * `base`) into p; returns what p still has to be multiplied by. Scores come 16 keys at a
+ * time (their 16 partial sums folded into one vector), so the max, the exponentials and
+ * the sum run on vectors. In float32 p is normalized (returns 1). In bfloat16 p holds
+ * e^(s - max) as bf16 pairs, (p[j], p[j+1]) in one 32-bit word for values_vec's dot
+ * products, zero-padded to an even count, and the 1/sum is returned: that is what SDPA's
+ * CPU kernel does for bf16 (its probabilities meet V in bf16, the sum stays float).
+ * While it reads these keys it prefetches, into L2, the keys and values the next call
+ * will read (`ahead_n` keys at ahead_k/ahead_v; NULL: none): a short run of cache rows
+ * far from the last one is too short a stream for the hardware prefetcher, and without
+ * this each first touch waits on memory (a quarter of the attention time at batch 16). */
+static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *d, const int NV, const float *qh,
+                                                                    const void *kc, int64_t base, int64_t n,
+                                                                    const char *ahead_k, const char *ahead_v,
+                                                                    int64_t ahead_n, float *p) {
+    const int64_t D = 16 * NV, row_bytes = D * (d->bf16 ? 2 : 4);
+    __m512 q[8];
     __m512i qb[4];
-    for (int v = 0; v < NV; v++) { q[v] = _mm512_loadu_ps(qh + 16 * v); o[v] = _mm512_setzero_ps(); }
+    for (int v = 0; v < NV; v++) q[v] = _mm512_loadu_ps(qh + 16 * v);
 #ifdef __AVX512BF16__
     for (int v = 0; v < NV / 2; v++) qb[v] = (__m512i)_mm512_cvtne2ps_pbh(q[2 * v + 1], q[2 * v]);
 #endif
@@ -177,71 +185,147 @@ static inline __attribute__((always_inline)) void attend_head_vec(const Dims *d,
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         __m512 acc[16];
-        for (int k = 0; k < 16; k++) {
-            acc[k] = key_dot(d, NV, q, qb, kc, base + (j + k) * D);
-        }
+        if (ahead_k && j < ahead_n)
+            for (int64_t b = 0; b < 16 * row_bytes; b += 64) {
+                _mm_prefetch(ahead_k + j * row_bytes + b, _MM_HINT_T1);
+                _mm_prefetch(ahead_v + j * row_bytes + b, _MM_HINT_T1);
+            }
+        for (int k = 0; k < 16; k++) acc[k] = key_dot(d, NV, q, qb, kc, base + (j + k) * D);
         const __m512 sv = _mm512_mul_ps(sum16(acc), scale);
-        _mm512_storeu_ps(s + j, sv);
+        _mm512_storeu_ps(p + j, sv);
         mv = _mm512_max_ps(mv, sv);
     }
+    if (ahead_k)
+        for (int64_t b = j * row_bytes; b < ahead_n * row_bytes; b += 64) {
+            _mm_prefetch(ahead_k + b, _MM_HINT_T1);
+            _mm_prefetch(ahead_v + b, _MM_HINT_T1);
+        }
     float m = _mm512_reduce_max_ps(mv);
     for (; j < n; j++) {
-        s[j] = _mm512_reduce_add_ps(key_dot(d, NV, q, qb, kc, base + j * D)) * d->scale;
-        if (s[j] > m) m = s[j];
+        p[j] = _mm512_reduce_add_ps(key_dot(d, NV, q, qb, kc, base + j * D)) * d->scale;
+        if (p[j] > m) m = p[j];
     }
     const __m512 mb = _mm512_set1_ps(m);
     __m512 sumv = _mm512_setzero_ps();
-    for (j = 0; j + 16 <= n; j += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb));
-        _mm512_storeu_ps(s + j, e);
-        sumv = _mm512_add_ps(sumv, e);
-    }
-    if (j < n) {
-        const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mb));
-        _mm512_mask_storeu_ps(s + j, tail, e);
-        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(tail, e));
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + j), mb));
+        _mm512_mask_storeu_ps(p + j, live, e);
+        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(live, e));
     }
     const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
-#ifdef __AVX512BW__
+#ifdef __AVX512BF16__
+    if (d->bf16) {  /* packed in place: bf16 j lands at byte 2j, behind float j's byte 4j */
+        uint16_t *pb = (uint16_t *)p;
+        for (j = 0; j < n; j += 16) {
+            const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = _mm512_maskz_loadu_ps(live, p + j);
+            _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        pb[n] = 0;  /* the odd key's partner */
+        return inv;
+    }
+#endif
+    const __m512 invv = _mm512_set1_ps(inv);
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), invv));
+    }
+    return 1.0f;
+}
+
+/* out[h] = scale[h] · Σ_j p[h][j] · V[j] for NH query heads that share these values
+ * (grouped-query attention): each value row is loaded once for all NH heads, and the
+ * NH·NV accumulators are independent chains, so neither the loads nor the latency of the
+ * multiply-adds bound the loop. p: NH rows `stride` floats apart, as softmax_head_vec
+ * leaves them; out: NH heads D apart, rounded to the model dtype. */
+static inline __attribute__((always_inline)) void values_vec(const Dims *d, const int NV, const int NH,
+                                                             const float *p, int64_t stride, const float *scale,
+                                                             const void *vc, int64_t base, int64_t n, float *out) {
+    const int64_t D = 16 * NV;
+    __m512 o[4][8];
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) o[h][v] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
     if (d->bf16) {
-        /* A bf16 value widened is the top half of a float: unpacking a cached row with
-         * zeros widens 32 at once, in an order permuted within 128-bit lanes, which the
-         * accumulators keep until one permute at the end (exact, as load16's shift). */
+        /* Two keys per dot product: interleaving value rows j and j+1 (unpack) puts
+         * (V[j][i], V[j+1][i]) in one 32-bit lane, against the broadcast (p[j], p[j+1]).
+         * The unpacks order lanes within 128-bit blocks; one permute at the end undoes it. */
         const __m512i zero = _mm512_setzero_si512();
-        for (j = 0; j < n; j++) {
-            const __m512 p = _mm512_set1_ps(s[j] * inv);
-            const uint16_t *row = (const uint16_t *)vc + base + j * D;
+        for (int64_t j = 0; j < n; j += 2) {
+            const uint16_t *r0 = (const uint16_t *)vc + base + j * D, *r1 = r0 + D;
+            __m512i pj[4];
+            for (int h = 0; h < NH; h++) pj[h] = _mm512_set1_epi32(((const int32_t *)(p + h * stride))[j / 2]);
             for (int v = 0; v < NV / 2; v++) {
-                const __m512i raw = _mm512_loadu_si512(row + 32 * v);
-                o[2 * v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw)), o[2 * v]);
-                o[2 * v + 1] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw)), o[2 * v + 1]);
+                const __m512i a = _mm512_loadu_si512(r0 + 32 * v);
+                const __m512i b = j + 1 < n ? _mm512_loadu_si512(r1 + 32 * v) : zero;
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int h = 0; h < NH; h++) {
+                    o[h][2 * v] = _mm512_dpbf16_ps(o[h][2 * v], lo, (__m512bh)pj[h]);
+                    o[h][2 * v + 1] = _mm512_dpbf16_ps(o[h][2 * v + 1], hi, (__m512bh)pj[h]);
+                }
             }
         }
         const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for (int v = 0; v < NV / 2; v++) {
-            _mm512_storeu_ps(out + 32 * v, _mm512_permutex2var_ps(o[2 * v], first, o[2 * v + 1]));
-            _mm512_storeu_ps(out + 32 * v + 16, _mm512_permutex2var_ps(o[2 * v], second, o[2 * v + 1]));
+        for (int h = 0; h < NH; h++) {
+            const __m512 sc = _mm512_set1_ps(scale[h]);
+            for (int v = 0; v < NV / 2; v++) {
+                const __m512 a = o[h][2 * v], b = o[h][2 * v + 1];
+                _mm512_storeu_ps(out + h * D + 32 * v, round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), sc)));
+                _mm512_storeu_ps(out + h * D + 32 * v + 16,
+                                 round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), sc)));
+            }
         }
         return;
     }
 #endif
-    for (j = 0; j < n; j++) {
-        const __m512 p = _mm512_set1_ps(s[j] * inv);
-        for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(p, load16(d, vc, base + j * D + 16 * v), o[v]);
+    for (int64_t j = 0; j < n; j++)
+        for (int v = 0; v < NV; v++) {
+            const __m512 vv = load16(d, vc, base + j * D + 16 * v);
+            for (int h = 0; h < NH; h++) o[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + j]), vv, o[h][v]);
+        }
+    for (int h = 0; h < NH; h++)
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(out + h * D + 16 * v, rnd16(d, _mm512_mul_ps(o[h][v], _mm512_set1_ps(scale[h]))));
+}
+
+/* The `group` query heads (D apart in q and out) that read one cached kv head. */
+static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d, const int NV, const float *q,
+                                                                   int64_t group, const void *kc, const void *vc,
+                                                                   int64_t base, int64_t n, const char *ahead_k,
+                                                                   const char *ahead_v, int64_t ahead_n, float *s,
+                                                                   int64_t stride, float *out) {
+    const int64_t D = 16 * NV;
+    const int most = NV == 4 ? 4 : 2;  /* 4·NV accumulators at most: with the rows and p, within 32 registers */
+    for (int64_t h = 0; h < group; h += most) {
+        const int nh = group - h < most ? (int)(group - h) : most;
+        float scale[4];
+        for (int k = 0; k < nh; k++)  /* the first head's pass prefetches; the rest find the keys in cache */
+            scale[k] = softmax_head_vec(d, NV, q + (h + k) * D, kc, base, n, h + k ? NULL : ahead_k, ahead_v,
+                                        ahead_n, s + k * stride);
+        if (nh == 4) values_vec(d, NV, 4, s, stride, scale, vc, base, n, out + h * D);
+        else if (nh == 3) values_vec(d, NV, 3, s, stride, scale, vc, base, n, out + h * D);
+        else if (nh == 2) values_vec(d, NV, 2, s, stride, scale, vc, base, n, out + h * D);
+        else values_vec(d, NV, 1, s, stride, scale, vc, base, n, out + h * D);
     }
-    for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + 16 * v, o[v]);
 }
 #endif
 
-static void attend_head(const Dims *d, const float *q, const void *kc, const void *vc, int64_t base, int64_t n,
-                        float *s, float *out) {
+/* softmax(q·K · scale) · V for the `group` query heads that share one cached kv head,
+ * into out (rounded to the model dtype), with s as scratch (`stride` floats per head). */
+static void attend_group(const Dims *d, const float *q, int64_t group, const void *kc, const void *vc, int64_t base,
+                         int64_t n, const char *ahead_k, const char *ahead_v, int64_t ahead_n, float *s,
+                         int64_t stride, float *out) {
+    const int64_t D = d->head_dim;
 #ifdef __AVX512F__
-    if (d->head_dim == 64) { attend_head_vec(d, 4, q, kc, vc, base, n, s, out); return; }
-    if (d->head_dim == 128) { attend_head_vec(d, 8, q, kc, vc, base, n, s, out); return; }
+    if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
+    if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
-    attend_head_scalar(d, q, kc, vc, base, n, s, out);
+    (void)ahead_k, (void)ahead_v, (void)ahead_n;
+    for (int64_t h = 0; h < group; h++) {
+        attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D);
+        for (int64_t i = 0; i < D; i++) out[h * D + i] = rnd(d, out[h * D + i]);
+    }
 }
 
 /* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype. */
@@ -293,6 +377,22 @@ static void rope(const Dims *d, float *x, const void *cos, const void *sin, int6
         tmp[i] = rnd(d, rnd(d, x[i] * load(d, c, i)) + rnd(d, rot * load(d, s, i)));
     }
     memcpy(x, tmp, (size_t)D * sizeof(float));
+}
+
+#ifndef AHEAD_MAX_BYTES
+#define AHEAD_MAX_BYTES (32 << 10) /* of keys (as much again of values) */
+#endif
+
+/* Unit u (row u / kv_heads, kv head u % kv_heads) attends to n cached positions from
+ * element `base` of its row of the cache: from the row's first real token (starts), inside
+ * the sliding window, up to `column`. */
+static void span(const Dims *d, const int64_t *starts, int64_t window, int64_t column, int64_t capacity, int64_t u,
+                 int64_t *base, int64_t *n) {
+    const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
+    int64_t lo = starts ? starts[r] : 0;
+    if (window > 0 && column - window + 1 > lo) lo = column - window + 1;
+    *n = column - lo + 1;
+    *base = (g * capacity + lo) * d->head_dim;
 }
 
 /* One step for `rows` rows sharing cache column `column`; row r holds padding before
@@ -357,18 +457,26 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                 }
             }
         }
-        /* Row r sees columns [lo, column]: from its first real token, inside the window. */
+        /* Row r sees columns [lo, column]: from its first real token, inside the window.
+         * One unit of work is one row's kv head with the query heads that read it. */
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t rh = 0; rh < rows * d->heads; rh++) {
-            const int64_t r = rh / d->heads, h = rh % d->heads, g = h / group;
-            int64_t lo = starts ? starts[r] : 0;
-            if (L->window > 0 && column - L->window + 1 > lo) lo = column - L->window + 1;
-            const int64_t n = column - lo + 1;
+        for (int64_t u = 0; u < rows * d->kv_heads; u++) {
+            int64_t base, n, next_base = 0, next_n = 0;
+            span(d, starts, L->window, column, capacity, u, &base, &n);
+            const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
             const char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
-            const float *qh = big + r * qkv + h * D;
-            float *oh = att + r * q_size + h * D;
-            attend_head(d, qh, kc, vc, (g * capacity + lo) * D, n, scores + rh * capacity, oh);
-            for (int64_t i = 0; i < D; i++) oh[i] = rnd(d, oh[i]);
+            const char *ahead_k = NULL, *ahead_v = NULL;
+            if (u + 1 < rows * d->kv_heads) {  /* the next unit's rows, prefetched while this one runs */
+                const int64_t r2 = (u + 1) / d->kv_heads;
+                span(d, starts, L->window, column, capacity, u + 1, &next_base, &next_n);
+                ahead_k = kl + (r2 * row_elems + next_base) * el;
+                ahead_v = vl + (r2 * row_elems + next_base) * el;
+                /* Past a few hundred keys the stream is long enough for the hardware prefetcher,
+                 * and prefetching a whole next unit would only crowd this one out of L2. */
+                if (next_n * D * el > AHEAD_MAX_BYTES) ahead_k = ahead_v = NULL, next_n = 0;
+            }
+            attend_group(d, big + r * qkv + g * group * D, group, kc, vc, base, n, ahead_k, ahead_v, next_n,
+                         scores + u * group * capacity, capacity, att + r * q_size + g * group * D);
         }
         linear(d, L->o, L->o_bias, att, q_size, H, rows, t, xw, threads);
         add_round(d, x, t, NULL, rows * H);
