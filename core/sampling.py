@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .errors import PromptError
 
 
@@ -72,7 +73,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] → token ids [B] (on the logits' device)."""
         if self.all_greedy:
-            return logits.argmax(dim=-1)
+            chosen = kernels.argmax(logits)  # torch's CPU argmax costs 2% of a batch-16 step
+            return chosen if chosen is not None else logits.argmax(dim=-1)
         return torch.stack([self._one(row, logits[row]) for row in range(logits.shape[0])])
 
     def _one(self, row: int, logits: torch.Tensor) -> torch.Tensor:

@@ -203,3 +203,34 @@ def test_builds_for_older_cpus_compute_the_same(model_dirs, march, needs):
                 la, lb = m.model(tok, a).float().reshape(rows, -1), native(tok, b)
                 assert (la - lb).abs().max() < tolerance
                 tok = la.argmax(-1, keepdim=True)
+
+
+def _argmax_cases():
+    g = torch.Generator().manual_seed(0)
+    yield torch.randn(16, 49152, generator=g)
+    for rows, n in ((1, 1), (3, 7), (2, 16), (2, 33), (5, 1000)):
+        yield torch.randn(rows, n, generator=g)
+    yield torch.randint(0, 3, (8, 1000), generator=g).float()  # many ties: the first index wins
+    x = torch.zeros(4, 100)
+    x[0, 17] = x[0, 83] = 5  # a tie across vector lanes
+    x[1, 50] = x[1, 70] = float("nan")  # the first NaN wins, as in torch
+    x[2] = float("-inf")
+    x[2, 99] = float("-inf")
+    x[3, 98] = float("inf")
+    x[3, 3] = float("nan")
+    yield x
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_argmax_picks_what_torch_picks(march):
+    import platform
+
+    if march != "native" and (platform.machine() != "x86_64" or "avx2" not in _cpu_flags()):
+        pytest.skip("needs an x86-64 CPU with avx2")
+    lib = kernels.library() if march == "native" else kernels._build(march=march)
+    for x in _argmax_cases():
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        assert torch.equal(out, x.argmax(-1)), x.shape
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    assert kernels.argmax(x.t()) is None and kernels.argmax(x.double()) is None  # torch decides those

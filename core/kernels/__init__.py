@@ -4,7 +4,8 @@
 torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other op.
 `decode_step` (decode.c) runs a whole llama-family decode step in one call
 (native_decode.py). `peak_macs` (peak.c) measures the multiply-add peak that batched
-decode is held against (`twice bench`). When no C compiler is there, or it fails,
+decode is held against (`twice bench`). `argmax` (argmax.c) is greedy decoding's choice
+on the CPU. When no C compiler is there, or it fails,
 `available()` is False and decode uses the eager or torch.compile'd path instead;
 nothing else changes.
 
@@ -28,7 +29,7 @@ import torch
 
 from ..paths import cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c", "argmax.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h")]  # part of the build's hash
 _STATE: dict = {}
 
@@ -95,6 +96,8 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, p, ctypes.c_int]
     handle.peak_macs.restype = ctypes.c_double
     handle.peak_macs.argtypes = [ctypes.c_int, ctypes.c_int, i64]
+    handle.argmax_rows.restype = None
+    handle.argmax_rows.argtypes = [p, i64, i64, p]
     return handle
 
 
@@ -145,6 +148,21 @@ def peak_macs(dtype: torch.dtype, threads: int) -> float | None:
         return None
     value = max(lib.peak_macs(int(dtype == torch.bfloat16), threads, 10_000_000) for _ in range(3))
     return value or None
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits [B, V] → each row's argmax [B] (int64), as torch.argmax(-1) gives it; None
+    where this is not a contiguous float32 CPU tensor or the kernels did not build (the
+    caller then asks torch)."""
+    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and logits.shape[1] > 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
 
 
 @torch.library.custom_op("twice::gemv", mutates_args=())
