@@ -123,7 +123,7 @@ def test_native_step_logits_for_a_padded_batch(model_dirs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out,n", [(1, 7, 33), (2, 12, 64), (4, 8, 64), (5, 13, 64), (6, 8, 64), (7, 20, 128),
-                                        (9, 64, 576), (16, 6, 96), (3, 4, 32)])
+                                        (9, 64, 576), (16, 6, 96), (3, 4, 32), (2, 4, 16), (2, 8, 0)])
 def test_native_gemm_equals_matmul(dtype, rows, out, n):
     """The batched kernel's register tiles and its edges (rows, outputs or width not a
     multiple of the tile)."""

@@ -32,20 +32,23 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v);
 }
 
-/* Adds the even and the odd lanes of two vectors: lanes 0–7 hold pair sums of a, 8–15 of b.
- * Four levels of folds turn 16 vectors into one whose lane k is vector k's lane sum. */
-static inline __m512 fold(__m512 a, __m512 b) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-}
-
-/* Lane k = the lane sum of v[k], for 16 vectors. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 l1[8], l2[4];
-    for (int k = 0; k < 8; k++) l1[k] = fold(v[2 * k], v[2 * k + 1]);
-    for (int k = 0; k < 4; k++) l2[k] = fold(l1[2 * k], l1[2 * k + 1]);
-    return fold(fold(l2[0], l2[1]), fold(l2[2], l2[3]));
+/* Lane k = the lane sum of v[k], for 16 vectors: a transpose-and-add tree. The first two
+ * levels shuffle within 128-bit blocks (cheap), turning each 4 vectors into one whose
+ * block j holds their partial sums over block j; the last two add the blocks together
+ * with 128-bit block shuffles. 30 shuffles and 15 adds, 24 of the shuffles in-block. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
+    __m512 x[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *a = v + 4 * g;
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+        /* s01 block: [a0, a1, a0, a1] partials, s23: [a2, a3, a2, a3]; 64-bit unpacks pair them */
+        x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    }
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xdd));
 }
 #endif
 #endif
