@@ -1,0 +1,210 @@
+/* Causal attention over a fresh prompt in bfloat16 (prefill), for head sizes 64 and 128
+ * on CPUs with AVX-512 BF16.
+ *
+ * Prefill of a long prompt spends about half its time in attention (SDPA's CPU flash
+ * kernel runs at a quarter of the multiply-add peak here), the other half in matrix
+ * products near the peak. This computes the same thing as matrix tiles with no
+ * horizontal sums: for each kv head the keys are first transposed into pairs of
+ * dimensions across 16 keys (one 32-bit lane per key), so a tile of 4 queries × 64 keys
+ * is 16 accumulators, each dot product instruction adding two dimensions of one query
+ * against 16 keys; the values are interleaved in pairs of keys the same way, so p·V is
+ * 4 queries × 64 (or 2 × 128) output dimensions, two keys per instruction.
+ *
+ * Numerics follow SDPA's CPU kernel for bf16: scores in float32 (scaled), softmax in
+ * float32, the probabilities rounded to bf16 to meet V (accumulated in float32), the
+ * 1/sum applied after, the output rounded to bf16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "vec.h"
+
+#ifdef __AVX512BF16__
+/* Keys [n, D] (rows `stride` apart) → kt[block][pair][16]: lane l of (block, pair) holds
+ * dimensions 2·pair, 2·pair + 1 of key 16·block + l (zero past n). */
+static void transpose_keys(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kt) {
+    const int64_t blocks = (n + 15) / 16, pairs = D / 2;
+    memset(kt, 0, (size_t)(blocks * pairs * 16) * sizeof(uint32_t));
+    for (int64_t j = 0; j < n; j++) {
+        const uint32_t *row = (const uint32_t *)(k + j * stride);
+        uint32_t *dst = kt + (j / 16) * pairs * 16 + j % 16;
+        for (int64_t p = 0; p < pairs; p++) dst[p * 16] = row[p];
+    }
+}
+
+/* Values [n, D] → vp[pair of keys][D/16][16]: unpacking rows 2m and 2m+1 puts
+ * (V[2m][i], V[2m+1][i]) in one 32-bit lane, for i in an order permuted within 128-bit
+ * blocks that `unpermute` undoes at the end (zero past n). */
+static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int64_t D, __m512i *vp) {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t m = 0; 2 * m < n; m++) {
+        const uint16_t *a = v + 2 * m * stride, *b = a + stride;
+        for (int64_t c = 0; c < D / 32; c++) {
+            const __m512i x = _mm512_loadu_si512(a + 32 * c), y = 2 * m + 1 < n ? _mm512_loadu_si512(b + 32 * c) : zero;
+            vp[m * (D / 16) + 2 * c] = _mm512_unpacklo_epi16(x, y);
+            vp[m * (D / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+    }
+}
+
+/* s[i][16·b + l] = scale · q_i · key(16·b + l) for NQ queries (bf16 pairs, `qs` 32-bit
+ * words apart) and NB key blocks from block b0; pairs = D/2. */
+static inline __attribute__((always_inline)) void score_tile(const int NQ, const int NB, const uint32_t *q,
+                                                             int64_t qs, const uint32_t *kt, int64_t b0,
+                                                             int64_t pairs, float scale, float *s, int64_t ss) {
+    __m512 acc[4][4];
+    for (int i = 0; i < NQ; i++) for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();
+    const uint32_t *base = kt + b0 * pairs * 16;
+    int64_t p = 0;
+    do {
+        __m512i kv[4];
+        for (int b = 0; b < NB; b++) kv[b] = _mm512_loadu_si512(base + (b * pairs + p) * 16);
+        for (int i = 0; i < NQ; i++) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)q[i * qs + p]);
+            for (int b = 0; b < NB; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], (__m512bh)kv[b], qv);
+        }
+    } while (++p < pairs);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int i = 0; i < NQ; i++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(s + i * ss + (b0 + b) * 16, _mm512_mul_ps(acc[i][b], sc));
+}
+
+/* Softmax of s[0, n) (n ≥ 1) in place → bf16 probabilities e^(s - max), packed two to a
+ * 32-bit word, zero from n up to `upto` (even); returns 1/sum. */
+static float softmax_row(float *s, int64_t n, int64_t upto) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    uint16_t *pb = (uint16_t *)s; /* bf16 j at byte 2j, behind float j at byte 4j: in place is safe */
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mb)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    for (int64_t j = n; j < upto; j++) pb[j] = 0;
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* out_i = inv_i · Σ_m p_i[m] · vp[m] over `pairs` key pairs, for NQ queries (p rows `ps`
+ * words apart) and NV = D/16 output vectors; written as bf16 to out + i·os. */
+static inline __attribute__((always_inline)) void value_tile(const int NQ, const int NV, const uint32_t *p,
+                                                             int64_t ps, const __m512i *vp, int64_t pairs,
+                                                             const float *inv, uint16_t *out, int64_t os) {
+    __m512 o[4][8];
+    for (int i = 0; i < NQ; i++) for (int v = 0; v < NV; v++) o[i][v] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < pairs; m++) {
+        __m512i pv[4];
+        for (int i = 0; i < NQ; i++) pv[i] = _mm512_set1_epi32((int)p[i * ps + m]);
+        for (int v = 0; v < NV; v++) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(vp + m * NV + v);
+            for (int i = 0; i < NQ; i++) o[i][v] = _mm512_dpbf16_ps(o[i][v], x, (__m512bh)pv[i]);
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < NQ; i++) {
+        const __m512 sc = _mm512_set1_ps(inv[i]);
+        for (int v = 0; v < NV; v += 2) {
+            const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], first, o[i][v + 1]), sc);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], second, o[i][v + 1]), sc);
+            _mm256_storeu_si256((__m256i *)(out + i * os + 16 * v), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(out + i * os + 16 * v + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+    }
+}
+
+/* Scores of queries t0 .. t0+NQ-1 against keys [0, t0+NQ), 4 key blocks at a time. */
+static inline __attribute__((always_inline)) void scores(const int NQ, const uint32_t *q, int64_t qs,
+                                                         const uint32_t *kt, int64_t blocks, int64_t pairs,
+                                                         float scale, float *s, int64_t ss) {
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) score_tile(NQ, 4, q, qs, kt, b, pairs, scale, s, ss);
+    switch (blocks - b) {
+    case 3: score_tile(NQ, 3, q, qs, kt, b, pairs, scale, s, ss); break;
+    case 2: score_tile(NQ, 2, q, qs, kt, b, pairs, scale, s, ss); break;
+    case 1: score_tile(NQ, 1, q, qs, kt, b, pairs, scale, s, ss); break;
+    }
+}
+#endif
+
+/* out [B, T, H, D] (bf16, contiguous) = causal attention of q [B, H, T, D] (element
+ * strides qb, qh, qt; dimensions contiguous) over k, v [B, KV, ≥T, D] (strides kb, kh;
+ * rows D apart), query head h reading kv head h / (H / KV). Returns 0, or -1 where this
+ * build or shape is not supported (the caller then uses SDPA), -2 when out of memory. */
+int causal_attention_bf16(const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
+                          int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T,
+                          int64_t D, float scale, int threads) {
+#ifdef __AVX512BF16__
+    if ((D != 64 && D != 128) || T < 1 || H % KV) return -1;
+    const int64_t group = H / KV, pairs = D / 2, blocks = (T + 15) / 16, padded = blocks * 16;
+    const int64_t tiles = (T + 3) / 4;
+    uint32_t *kt = aligned_alloc(64, (size_t)(blocks * pairs * 16) * sizeof(uint32_t));
+    __m512i *vp = aligned_alloc(64, (size_t)((padded / 2) * (D / 16)) * sizeof(__m512i));
+    if (!kt || !vp) { free(kt); free(vp); return -2; }
+    int failed = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < KV; g++) {
+            const uint16_t *kg = (const uint16_t *)k + b * kb + g * kh, *vg = (const uint16_t *)v + b * kb + g * kh;
+            transpose_keys(kg, D, T, D, kt);
+            interleave_values(vg, D, T, D, vp);
+            #pragma omp parallel num_threads(threads) reduction(| : failed)
+            {
+                float *s = aligned_alloc(64, (size_t)(4 * (padded + 16)) * sizeof(float));
+                if (!s) failed = 1;
+                /* later tiles see more keys: hand them out largest first, one at a time */
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t w = 0; w < group * tiles; w++) {
+                    if (!s) continue; /* every thread must still take part in the loop */
+                    {
+                        const int64_t h = g * group + w / tiles, t0 = (tiles - 1 - w % tiles) * 4;
+                        const int nq = T - t0 < 4 ? (int)(T - t0) : 4;
+                        const int64_t n = t0 + nq, nb = (n + 15) / 16, ss = padded + 16;
+                        const uint32_t *qp = (const uint32_t *)((const uint16_t *)q + b * qb + h * qh + t0 * qt);
+                        const int64_t qs = qt / 2;
+                        if (nq == 4) scores(4, qp, qs, kt, nb, pairs, scale, s, ss);
+                        else if (nq == 3) scores(3, qp, qs, kt, nb, pairs, scale, s, ss);
+                        else if (nq == 2) scores(2, qp, qs, kt, nb, pairs, scale, s, ss);
+                        else scores(1, qp, qs, kt, nb, pairs, scale, s, ss);
+                        const int64_t upto = (n + 1) / 2 * 2;
+                        float inv[4];
+                        for (int i = 0; i < nq; i++) inv[i] = softmax_row(s + i * ss, t0 + i + 1, upto);
+                        /* p rows are ss floats = 2·ss bf16 apart, i.e. ss 32-bit words */
+                        const uint32_t *p = (const uint32_t *)s;
+                        uint16_t *o = (uint16_t *)out + ((b * T + t0) * H + h) * D;
+                        const int64_t os = H * D;
+                        if (D == 64) {
+                            if (nq == 4) value_tile(4, 4, p, ss, vp, upto / 2, inv, o, os);
+                            else if (nq == 3) value_tile(3, 4, p, ss, vp, upto / 2, inv, o, os);
+                            else if (nq == 2) value_tile(2, 4, p, ss, vp, upto / 2, inv, o, os);
+                            else value_tile(1, 4, p, ss, vp, upto / 2, inv, o, os);
+                        } else {
+                            for (int i = 0; i < nq; i += 2) {
+                                if (nq - i >= 2) value_tile(2, 8, p + i * ss, ss, vp, upto / 2, inv + i, o + i * os, os);
+                                else value_tile(1, 8, p + i * ss, ss, vp, upto / 2, inv + i, o + i * os, os);
+                            }
+                        }
+                    }
+                }
+                free(s);
+            }
+            if (failed) { free(kt); free(vp); return -2; }
+        }
+    free(kt);
+    free(vp);
+    return 0;
+#else
+    (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B, (void)H;
+    (void)KV, (void)T, (void)D, (void)scale, (void)threads;
+    return -1;
+#endif
+}
