@@ -72,7 +72,7 @@ def attend(
     b, h, t, d = q.shape
     gqa = k.shape[1] != h
     if mask is CAUSAL:
-        # A fresh prompt in bf16 on the CPU: the native kernel, 2.8× SDPA's (kernels/prefill.c).
+        # A fresh prompt on the CPU: the native kernel, 2.8× SDPA's in bf16 (kernels/prefill.c).
         native = kernels.causal_attention(q, k, v, scale)
         if native is not None:
             return native

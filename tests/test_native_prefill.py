@@ -1,5 +1,5 @@
-"""The native causal attention of a fresh bf16 prompt (kernels/prefill.c) computes what
-SDPA computes, and prefill uses it."""
+"""The native causal attention of a fresh prompt (kernels/prefill.c) computes what SDPA
+computes, in bf16 and fp32, and prefill uses it."""
 
 import platform
 
@@ -31,40 +31,44 @@ def _sdpa(q, k, v, scale):
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("b,h,kv,t,d", [(1, 9, 3, 1, 64), (1, 9, 3, 5, 64), (2, 4, 2, 37, 64), (1, 6, 2, 100, 128),
                                         (1, 5, 1, 64, 64), (2, 2, 2, 17, 128), (1, 9, 3, 300, 64), (1, 3, 3, 2, 128)])
-def test_native_causal_attention_equals_sdpa(b, h, kv, t, d):
+def test_native_causal_attention_equals_sdpa(b, h, kv, t, d, dtype):
     """Query tiles of 1–4, key blocks of 1–4 and their tails, odd key counts, GQA groups;
     q as attend gets it (a transposed view), k/v as rows of a larger cache."""
     g = torch.Generator().manual_seed(b * 1000 + h * 100 + t + d)
-    q = torch.randn(b, t, h, d, generator=g).bfloat16().transpose(1, 2)
-    cache_k, cache_v = (torch.randn(b, kv, t + 7, d, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(b, t, h, d, generator=g).to(dtype).transpose(1, 2)
+    cache_k, cache_v = (torch.randn(b, kv, t + 7, d, generator=g).to(dtype) for _ in range(2))
     k, v = cache_k[:, :, :t], cache_v[:, :, :t]
     scale = d ** -0.5
     got, want = kernels.causal_attention(q, k, v, scale), _sdpa(q, k, v, scale)
-    assert got.shape == want.shape == (b, t, h * d) and got.dtype == torch.bfloat16
-    # The same arithmetic up to summation order: equal bits mostly, else one bf16 step apart.
-    assert (got.float() - want.float()).abs().max() <= 0.02
-    assert (got == want).float().mean() > 0.85
+    assert got.shape == want.shape == (b, t, h * d) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert (got - want).abs().max() < 1e-5
+    else:  # the same arithmetic up to summation order: equal bits mostly, else one bf16 step apart
+        assert (got.float() - want.float()).abs().max() <= 0.02
+        assert (got == want).float().mean() > 0.85
 
 
 def test_what_it_does_not_read_is_left_to_sdpa():
     q = torch.randn(1, 2, 8, 64).bfloat16()
     k = v = torch.randn(1, 2, 8, 64).bfloat16()
-    assert kernels.causal_attention(q.float(), k.float(), v.float(), 0.125) is None  # float32
+    assert kernels.causal_attention(q.half(), k.half(), v.half(), 0.125) is None  # float16
     assert kernels.causal_attention(q[..., :32], k[..., :32], v[..., :32], 0.125) is None  # head size 32
     assert kernels.causal_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, 0.125) is None  # layout
     lib = kernels._build(march="skylake-avx512")  # AVX-512 without BF16: the kernel declines
     assert lib is not None
     out = torch.empty(1, 8, 128, dtype=torch.bfloat16)
-    assert lib.causal_attention_bf16(q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:2],
-                                     out.data_ptr(), 1, 2, 2, 8, 64, 0.125, 2) == -1
+    assert lib.causal_attention(1, q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:2],
+                                out.data_ptr(), 1, 2, 2, 8, 64, 0.125, 2) == -1
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["llama-hd64", "qwen3-hd128"])
-def test_bf16_prefill_with_native_attention_tracks_sdpa(model_dirs, family, monkeypatch):
+def test_prefill_with_native_attention_tracks_sdpa(model_dirs, family, dtype, monkeypatch):
     """Whole-model prefill logits (every position) with the kernel and with SDPA."""
-    m = load(str(model_dirs(family)), device="cpu", dtype="bfloat16")
+    m = load(str(model_dirs(family)), device="cpu", dtype=dtype)
     ids = torch.arange(3, 3 + 70).reshape(1, 70)
     calls = []
     real = kernels.causal_attention
@@ -76,9 +80,9 @@ def test_bf16_prefill_with_native_attention_tracks_sdpa(model_dirs, family, monk
 
     monkeypatch.setattr(kernels, "causal_attention", counted)
     with torch.inference_mode():
-        native = m.model(ids, KVCache(m.config, 1, 80, torch.bfloat16, "cpu"), all_logits=True).float()
+        native = m.model(ids, KVCache(m.config, 1, 80, m.dtype, "cpu"), all_logits=True).float()
         assert calls and all(calls)  # every layer took the kernel
         monkeypatch.setattr(kernels, "causal_attention", lambda *args: None)
-        sdpa = m.model(ids, KVCache(m.config, 1, 80, torch.bfloat16, "cpu"), all_logits=True).float()
-    assert (native - sdpa).abs().max() < 0.05
+        sdpa = m.model(ids, KVCache(m.config, 1, 80, m.dtype, "cpu"), all_logits=True).float()
+    assert (native - sdpa).abs().max() < (0.05 if dtype == "bfloat16" else 1e-4)
     assert (native.argmax(-1) == sdpa.argmax(-1)).float().mean() > 0.95

@@ -5,7 +5,7 @@ torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other 
 `decode_step` (decode.c) runs a whole llama-family decode step in one call
 (native_decode.py). `peak_macs` (peak.c) measures the multiply-add peak that batched
 decode is held against (`twice bench`). `argmax` (argmax.c) is greedy decoding's choice
-on the CPU; `causal_attention` (prefill.c) is a fresh prompt's attention in bf16. When no C compiler is there, or it fails,
+on the CPU; `causal_attention` (prefill.c) is a fresh prompt's attention. When no C compiler is there, or it fails,
 `available()` is False and decode uses the eager or torch.compile'd path instead;
 nothing else changes.
 
@@ -98,9 +98,9 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.peak_macs.argtypes = [ctypes.c_int, ctypes.c_int, i64]
     handle.argmax_rows.restype = None
     handle.argmax_rows.argtypes = [p, i64, i64, p]
-    handle.causal_attention_bf16.restype = ctypes.c_int
-    handle.causal_attention_bf16.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
-                                             ctypes.c_float, ctypes.c_int]
+    handle.causal_attention.restype = ctypes.c_int
+    handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ctypes.c_int]
     return handle
 
 
@@ -170,12 +170,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     """SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=True) for a fresh prompt on the
-    CPU in bf16, as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, T, D] (the
-    cache's rows). None where prefill.c does not apply: another dtype or device, a head
-    size other than 64 or 128, layouts it does not read, or a CPU without AVX-512 BF16."""
+    CPU, as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, T, D] (the cache's
+    rows). None where prefill.c does not apply: a dtype other than bf16 and fp32, another
+    device, a head size other than 64 or 128, layouts it does not read, or a CPU without
+    AVX-512 BF16 (the caller then uses SDPA)."""
     b, h, t, d = q.shape
-    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and d in (64, 128)
-            and k.shape == v.shape and k.shape[0] == b and k.shape[2] == t and k.shape[3] == d
+    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float32)
+            and d in (64, 128) and k.shape == v.shape and k.shape[0] == b and k.shape[2] == t and k.shape[3] == d
             and h % k.shape[1] == 0 and q.stride(3) == 1 and k.stride(3) == v.stride(3) == 1
             and k.stride(2) == v.stride(2) == d and k.stride()[:2] == v.stride()[:2]):
         return None
@@ -183,9 +184,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if lib is None:
         return None
     out = torch.empty(b, t, h * d, dtype=q.dtype)
-    status = lib.causal_attention_bf16(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
-                                       v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h, k.shape[1], t, d,
-                                       scale, torch.get_num_threads())
+    status = lib.causal_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+                                  k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h,
+                                  k.shape[1], t, d, scale, torch.get_num_threads())
     if status == -2:
         raise MemoryError("native attention could not allocate its buffers")
     return out if status == 0 else None

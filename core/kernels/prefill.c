@@ -1,18 +1,19 @@
-/* Causal attention over a fresh prompt in bfloat16 (prefill), for head sizes 64 and 128
- * on CPUs with AVX-512 BF16.
+/* Causal attention over a fresh prompt (prefill) in bfloat16 or float32, for head sizes 64
+ * and 128 on CPUs with AVX-512 BF16.
  *
- * Prefill of a long prompt spends about half its time in attention (SDPA's CPU flash
- * kernel runs at a quarter of the multiply-add peak here), the other half in matrix
- * products near the peak. This computes the same thing as matrix tiles with no
- * horizontal sums: for each kv head the keys are first transposed into pairs of
- * dimensions across 16 keys (one 32-bit lane per key), so a tile of 4 queries × 64 keys
- * is 16 accumulators, each dot product instruction adding two dimensions of one query
- * against 16 keys; the values are interleaved in pairs of keys the same way, so p·V is
- * 4 queries × 64 (or 2 × 128) output dimensions, two keys per instruction.
+ * Prefill of a long prompt spends a third (fp32) to a half (bf16) of its time in attention
+ * (SDPA's CPU flash kernel runs at a quarter of the multiply-add peak here), the rest in
+ * matrix products near the peak. This computes the same thing as register tiles with no
+ * horizontal sums: for each kv head the keys are first transposed so that one 32-bit lane
+ * holds one key's dimension (fp32) or pair of dimensions (bf16) across 16 keys, so a tile
+ * of 4 queries × 64 keys is 16 accumulators, each instruction adding one dimension (or
+ * two) of one query against 16 keys; p·V is 4 queries × 64 (or 2 × 128) output
+ * dimensions, one key (fp32) or two (bf16: value rows interleaved in pairs of keys) per
+ * instruction.
  *
- * Numerics follow SDPA's CPU kernel for bf16: scores in float32 (scaled), softmax in
- * float32, the probabilities rounded to bf16 to meet V (accumulated in float32), the
- * 1/sum applied after, the output rounded to bf16.
+ * Numerics follow SDPA's CPU kernel: scores and softmax in float32, the 1/sum applied
+ * after; in bf16 the probabilities are rounded to bf16 to meet V (accumulated in float32)
+ * and the output is rounded to bf16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,21 +26,21 @@
 #include "vec.h"
 
 #ifdef __AVX512BF16__
-/* Keys [n, D] (rows `stride` apart) → kt[block][pair][16]: lane l of (block, pair) holds
- * dimensions 2·pair, 2·pair + 1 of key 16·block + l (zero past n). */
-static void transpose_keys(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kt) {
-    const int64_t blocks = (n + 15) / 16, pairs = D / 2;
-    memset(kt, 0, (size_t)(blocks * pairs * 16) * sizeof(uint32_t));
+/* Keys [n, ·] (rows `stride` 32-bit words apart, `units` words each: a float32 dimension
+ * or a pair of bf16 ones) → kt[block][unit][16]: lane l of (block, unit) holds that unit
+ * of key 16·block + l (zero past n). */
+static void transpose_keys(const uint32_t *k, int64_t stride, int64_t n, int64_t units, uint32_t *kt) {
+    const int64_t blocks = (n + 15) / 16;
+    memset(kt, 0, (size_t)(blocks * units * 16) * sizeof(uint32_t));
     for (int64_t j = 0; j < n; j++) {
-        const uint32_t *row = (const uint32_t *)(k + j * stride);
-        uint32_t *dst = kt + (j / 16) * pairs * 16 + j % 16;
-        for (int64_t p = 0; p < pairs; p++) dst[p * 16] = row[p];
+        uint32_t *dst = kt + (j / 16) * units * 16 + j % 16;
+        for (int64_t u = 0; u < units; u++) dst[u * 16] = k[j * stride + u];
     }
 }
 
-/* Values [n, D] → vp[pair of keys][D/16][16]: unpacking rows 2m and 2m+1 puts
+/* bf16 values [n, D] → vp[pair of keys][D/16][16]: unpacking rows 2m and 2m+1 puts
  * (V[2m][i], V[2m+1][i]) in one 32-bit lane, for i in an order permuted within 128-bit
- * blocks that `unpermute` undoes at the end (zero past n). */
+ * blocks that value_tile undoes at the end (zero past n). */
 static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int64_t D, __m512i *vp) {
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t m = 0; 2 * m < n; m++) {
@@ -52,31 +53,47 @@ static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int6
     }
 }
 
-/* s[i][16·b + l] = scale · q_i · key(16·b + l) for NQ queries (bf16 pairs, `qs` 32-bit
- * words apart) and NB key blocks from block b0; pairs = D/2. */
-static inline __attribute__((always_inline)) void score_tile(const int NQ, const int NB, const uint32_t *q,
-                                                             int64_t qs, const uint32_t *kt, int64_t b0,
-                                                             int64_t pairs, float scale, float *s, int64_t ss) {
+/* s[i][16·b + l] = scale · q_i · key(16·b + l) for NQ queries (rows of `units` 32-bit
+ * words, `qs` words apart) and NB key blocks from block b0. */
+static inline __attribute__((always_inline)) void score_tile(const int BF, const int NQ, const int NB,
+                                                             const uint32_t *q, int64_t qs, const uint32_t *kt,
+                                                             int64_t b0, int64_t units, float scale, float *s,
+                                                             int64_t ss) {
     __m512 acc[4][4];
     for (int i = 0; i < NQ; i++) for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();
-    const uint32_t *base = kt + b0 * pairs * 16;
-    int64_t p = 0;
+    const uint32_t *base = kt + b0 * units * 16;
+    int64_t u = 0;
     do {
         __m512i kv[4];
-        for (int b = 0; b < NB; b++) kv[b] = _mm512_loadu_si512(base + (b * pairs + p) * 16);
+        for (int b = 0; b < NB; b++) kv[b] = _mm512_loadu_si512(base + (b * units + u) * 16);
         for (int i = 0; i < NQ; i++) {
-            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)q[i * qs + p]);
-            for (int b = 0; b < NB; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], (__m512bh)kv[b], qv);
+            const __m512i qv = _mm512_set1_epi32((int)q[i * qs + u]);
+            for (int b = 0; b < NB; b++)
+                acc[i][b] = BF ? _mm512_dpbf16_ps(acc[i][b], (__m512bh)kv[b], (__m512bh)qv)
+                               : _mm512_fmadd_ps(_mm512_castsi512_ps(kv[b]), _mm512_castsi512_ps(qv), acc[i][b]);
         }
-    } while (++p < pairs);
+    } while (++u < units);
     const __m512 sc = _mm512_set1_ps(scale);
     for (int i = 0; i < NQ; i++)
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(s + i * ss + (b0 + b) * 16, _mm512_mul_ps(acc[i][b], sc));
 }
 
-/* Softmax of s[0, n) (n ≥ 1) in place → bf16 probabilities e^(s - max), packed two to a
- * 32-bit word, zero from n up to `upto` (even); returns 1/sum. */
-static float softmax_row(float *s, int64_t n, int64_t upto) {
+/* Scores of NQ queries against `blocks` key blocks, 4 blocks at a time. */
+static inline __attribute__((always_inline)) void scores(const int BF, const int NQ, const uint32_t *q, int64_t qs,
+                                                         const uint32_t *kt, int64_t blocks, int64_t units,
+                                                         float scale, float *s, int64_t ss) {
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) score_tile(BF, NQ, 4, q, qs, kt, b, units, scale, s, ss);
+    switch (blocks - b) {
+    case 3: score_tile(BF, NQ, 3, q, qs, kt, b, units, scale, s, ss); break;
+    case 2: score_tile(BF, NQ, 2, q, qs, kt, b, units, scale, s, ss); break;
+    case 1: score_tile(BF, NQ, 1, q, qs, kt, b, units, scale, s, ss); break;
+    }
+}
+
+/* Softmax of s[0, n) (n ≥ 1) in place → e^(s - max), zero from n up to `upto`; returns
+ * 1/sum. bf16: the probabilities rounded to bf16 and packed two to a 32-bit word. */
+static float softmax_row(int bf16, float *s, int64_t n, int64_t upto) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
@@ -89,25 +106,36 @@ static float softmax_row(float *s, int64_t n, int64_t upto) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
         const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mb)));
         sum = _mm512_add_ps(sum, e);
-        _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
+        if (bf16) _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
+        else _mm512_mask_storeu_ps(s + j, live, e);
     }
-    for (int64_t j = n; j < upto; j++) pb[j] = 0;
+    for (int64_t j = n; j < upto; j++) {
+        if (bf16) pb[j] = 0;
+        else s[j] = 0.0f;
+    }
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-/* out_i = inv_i · Σ_m p_i[m] · vp[m] over `pairs` key pairs, for NQ queries (p rows `ps`
- * words apart) and NV = D/16 output vectors; written as bf16 to out + i·os. */
-static inline __attribute__((always_inline)) void value_tile(const int NQ, const int NV, const uint32_t *p,
-                                                             int64_t ps, const __m512i *vp, int64_t pairs,
-                                                             const float *inv, uint16_t *out, int64_t os) {
+/* out_i = inv_i · Σ p_i · V for NQ queries (p rows `ps` 32-bit words apart) and NV = D/16
+ * output vectors, over `steps` steps: bf16, pairs of keys from vp (p: bf16 pairs), written
+ * as bf16; float32, single keys from the value rows `vs` floats apart, written as float. */
+static inline __attribute__((always_inline)) void value_tile(const int BF, const int NQ, const int NV,
+                                                             const uint32_t *p, int64_t ps, const void *vp,
+                                                             int64_t vs, int64_t steps, const float *inv, void *out,
+                                                             int64_t os) {
     __m512 o[4][8];
     for (int i = 0; i < NQ; i++) for (int v = 0; v < NV; v++) o[i][v] = _mm512_setzero_ps();
-    for (int64_t m = 0; m < pairs; m++) {
+    for (int64_t m = 0; m < steps; m++) {
         __m512i pv[4];
         for (int i = 0; i < NQ; i++) pv[i] = _mm512_set1_epi32((int)p[i * ps + m]);
         for (int v = 0; v < NV; v++) {
-            const __m512bh x = (__m512bh)_mm512_loadu_si512(vp + m * NV + v);
-            for (int i = 0; i < NQ; i++) o[i][v] = _mm512_dpbf16_ps(o[i][v], x, (__m512bh)pv[i]);
+            if (BF) {
+                const __m512bh x = (__m512bh)_mm512_loadu_si512((const __m512i *)vp + m * NV + v);
+                for (int i = 0; i < NQ; i++) o[i][v] = _mm512_dpbf16_ps(o[i][v], x, (__m512bh)pv[i]);
+            } else {
+                const __m512 x = _mm512_loadu_ps((const float *)vp + m * vs + 16 * v);
+                for (int i = 0; i < NQ; i++) o[i][v] = _mm512_fmadd_ps(_mm512_castsi512_ps(pv[i]), x, o[i][v]);
+            }
         }
     }
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -115,85 +143,87 @@ static inline __attribute__((always_inline)) void value_tile(const int NQ, const
     for (int i = 0; i < NQ; i++) {
         const __m512 sc = _mm512_set1_ps(inv[i]);
         for (int v = 0; v < NV; v += 2) {
-            const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], first, o[i][v + 1]), sc);
-            const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], second, o[i][v + 1]), sc);
-            _mm256_storeu_si256((__m256i *)(out + i * os + 16 * v), (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_storeu_si256((__m256i *)(out + i * os + 16 * v + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+            if (BF) {
+                uint16_t *dst = (uint16_t *)out + i * os + 16 * v;
+                const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], first, o[i][v + 1]), sc);
+                const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], second, o[i][v + 1]), sc);
+                _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(lo));
+                _mm256_storeu_si256((__m256i *)(dst + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+            } else {
+                float *dst = (float *)out + i * os + 16 * v;
+                _mm512_storeu_ps(dst, _mm512_mul_ps(o[i][v], sc));
+                _mm512_storeu_ps(dst + 16, _mm512_mul_ps(o[i][v + 1], sc));
+            }
         }
     }
 }
 
-/* Scores of queries t0 .. t0+NQ-1 against keys [0, t0+NQ), 4 key blocks at a time. */
-static inline __attribute__((always_inline)) void scores(const int NQ, const uint32_t *q, int64_t qs,
-                                                         const uint32_t *kt, int64_t blocks, int64_t pairs,
-                                                         float scale, float *s, int64_t ss) {
-    int64_t b = 0;
-    for (; b + 4 <= blocks; b += 4) score_tile(NQ, 4, q, qs, kt, b, pairs, scale, s, ss);
-    switch (blocks - b) {
-    case 3: score_tile(NQ, 3, q, qs, kt, b, pairs, scale, s, ss); break;
-    case 2: score_tile(NQ, 2, q, qs, kt, b, pairs, scale, s, ss); break;
-    case 1: score_tile(NQ, 1, q, qs, kt, b, pairs, scale, s, ss); break;
+/* One tile of up to 4 queries t0 .. t0 + nq - 1 of one head, with s as scratch. */
+static inline __attribute__((always_inline)) void query_tile(const int BF, const uint32_t *q, int64_t qs, int nq,
+                                                             int64_t t0, const uint32_t *kt, const void *vp,
+                                                             int64_t vs, int64_t D, float scale, float *s,
+                                                             int64_t ss, void *out, int64_t os) {
+    const int64_t units = BF ? D / 2 : D, n = t0 + nq, nb = (n + 15) / 16;
+    if (nq == 4) scores(BF, 4, q, qs, kt, nb, units, scale, s, ss);
+    else if (nq == 3) scores(BF, 3, q, qs, kt, nb, units, scale, s, ss);
+    else if (nq == 2) scores(BF, 2, q, qs, kt, nb, units, scale, s, ss);
+    else scores(BF, 1, q, qs, kt, nb, units, scale, s, ss);
+    const int64_t upto = BF ? (n + 1) / 2 * 2 : n, steps = BF ? upto / 2 : n;
+    float inv[4];
+    for (int i = 0; i < nq; i++) inv[i] = softmax_row(BF, s + i * ss, t0 + i + 1, upto);
+    const uint32_t *p = (const uint32_t *)s; /* rows ss floats apart: ss 32-bit words */
+    const int64_t el = BF ? 2 : 4;
+    if (D == 64) {
+        if (nq == 4) value_tile(BF, 4, 4, p, ss, vp, vs, steps, inv, out, os);
+        else if (nq == 3) value_tile(BF, 3, 4, p, ss, vp, vs, steps, inv, out, os);
+        else if (nq == 2) value_tile(BF, 2, 4, p, ss, vp, vs, steps, inv, out, os);
+        else value_tile(BF, 1, 4, p, ss, vp, vs, steps, inv, out, os);
+    } else {
+        for (int i = 0; i < nq; i += 2) {
+            char *o = (char *)out + i * os * el;
+            if (nq - i >= 2) value_tile(BF, 2, 8, p + i * ss, ss, vp, vs, steps, inv + i, o, os);
+            else value_tile(BF, 1, 8, p + i * ss, ss, vp, vs, steps, inv + i, o, os);
+        }
     }
 }
 #endif
 
-/* out [B, T, H, D] (bf16, contiguous) = causal attention of q [B, H, T, D] (element
+/* out [B, T, H, D] (q's dtype, contiguous) = causal attention of q [B, H, T, D] (element
  * strides qb, qh, qt; dimensions contiguous) over k, v [B, KV, ≥T, D] (strides kb, kh;
- * rows D apart), query head h reading kv head h / (H / KV). Returns 0, or -1 where this
- * build or shape is not supported (the caller then uses SDPA), -2 when out of memory. */
-int causal_attention_bf16(const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
-                          int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T,
-                          int64_t D, float scale, int threads) {
+ * rows D apart), query head h reading kv head h / (H / KV); bf16 = 1: bfloat16, 0:
+ * float32. Returns 0, or -1 where this build or shape is not supported (the caller then
+ * uses SDPA), -2 when out of memory. */
+int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
+                     int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
+                     float scale, int threads) {
 #ifdef __AVX512BF16__
-    if ((D != 64 && D != 128) || T < 1 || H % KV) return -1;
-    const int64_t group = H / KV, pairs = D / 2, blocks = (T + 15) / 16, padded = blocks * 16;
-    const int64_t tiles = (T + 3) / 4;
-    uint32_t *kt = aligned_alloc(64, (size_t)(blocks * pairs * 16) * sizeof(uint32_t));
-    __m512i *vp = aligned_alloc(64, (size_t)((padded / 2) * (D / 16)) * sizeof(__m512i));
-    if (!kt || !vp) { free(kt); free(vp); return -2; }
+    if ((D != 64 && D != 128) || T < 1 || KV < 1 || H % KV) return -1;
+    const int64_t el = bf16 ? 2 : 4, units = bf16 ? D / 2 : D, group = H / KV;
+    const int64_t blocks = (T + 15) / 16, padded = blocks * 16, tiles = (T + 3) / 4;
+    uint32_t *kt = aligned_alloc(64, (size_t)(blocks * units * 16) * sizeof(uint32_t));
+    __m512i *vp = bf16 ? aligned_alloc(64, (size_t)((padded / 2) * (D / 16)) * sizeof(__m512i)) : NULL;
+    if (!kt || (bf16 && !vp)) { free(kt); free(vp); return -2; }
     int failed = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < KV; g++) {
-            const uint16_t *kg = (const uint16_t *)k + b * kb + g * kh, *vg = (const uint16_t *)v + b * kb + g * kh;
-            transpose_keys(kg, D, T, D, kt);
-            interleave_values(vg, D, T, D, vp);
+            const char *kg = (const char *)k + (b * kb + g * kh) * el, *vg = (const char *)v + (b * kb + g * kh) * el;
+            transpose_keys((const uint32_t *)kg, units, T, units, kt);
+            if (bf16) interleave_values((const uint16_t *)vg, D, T, D, vp);
             #pragma omp parallel num_threads(threads) reduction(| : failed)
             {
-                float *s = aligned_alloc(64, (size_t)(4 * (padded + 16)) * sizeof(float));
+                const int64_t ss = padded + 16;
+                float *s = aligned_alloc(64, (size_t)(4 * ss) * sizeof(float));
                 if (!s) failed = 1;
                 /* later tiles see more keys: hand them out largest first, one at a time */
                 #pragma omp for schedule(dynamic, 1)
                 for (int64_t w = 0; w < group * tiles; w++) {
                     if (!s) continue; /* every thread must still take part in the loop */
-                    {
-                        const int64_t h = g * group + w / tiles, t0 = (tiles - 1 - w % tiles) * 4;
-                        const int nq = T - t0 < 4 ? (int)(T - t0) : 4;
-                        const int64_t n = t0 + nq, nb = (n + 15) / 16, ss = padded + 16;
-                        const uint32_t *qp = (const uint32_t *)((const uint16_t *)q + b * qb + h * qh + t0 * qt);
-                        const int64_t qs = qt / 2;
-                        if (nq == 4) scores(4, qp, qs, kt, nb, pairs, scale, s, ss);
-                        else if (nq == 3) scores(3, qp, qs, kt, nb, pairs, scale, s, ss);
-                        else if (nq == 2) scores(2, qp, qs, kt, nb, pairs, scale, s, ss);
-                        else scores(1, qp, qs, kt, nb, pairs, scale, s, ss);
-                        const int64_t upto = (n + 1) / 2 * 2;
-                        float inv[4];
-                        for (int i = 0; i < nq; i++) inv[i] = softmax_row(s + i * ss, t0 + i + 1, upto);
-                        /* p rows are ss floats = 2·ss bf16 apart, i.e. ss 32-bit words */
-                        const uint32_t *p = (const uint32_t *)s;
-                        uint16_t *o = (uint16_t *)out + ((b * T + t0) * H + h) * D;
-                        const int64_t os = H * D;
-                        if (D == 64) {
-                            if (nq == 4) value_tile(4, 4, p, ss, vp, upto / 2, inv, o, os);
-                            else if (nq == 3) value_tile(3, 4, p, ss, vp, upto / 2, inv, o, os);
-                            else if (nq == 2) value_tile(2, 4, p, ss, vp, upto / 2, inv, o, os);
-                            else value_tile(1, 4, p, ss, vp, upto / 2, inv, o, os);
-                        } else {
-                            for (int i = 0; i < nq; i += 2) {
-                                if (nq - i >= 2) value_tile(2, 8, p + i * ss, ss, vp, upto / 2, inv + i, o + i * os, os);
-                                else value_tile(1, 8, p + i * ss, ss, vp, upto / 2, inv + i, o + i * os, os);
-                            }
-                        }
-                    }
+                    const int64_t h = g * group + w / tiles, t0 = (tiles - 1 - w % tiles) * 4;
+                    const int nq = T - t0 < 4 ? (int)(T - t0) : 4;
+                    const uint32_t *qp = (const uint32_t *)((const char *)q + (b * qb + h * qh + t0 * qt) * el);
+                    char *o = (char *)out + ((b * T + t0) * H + h) * D * el;
+                    if (bf16) query_tile(1, qp, qt / 2, nq, t0, kt, vp, D, D, scale, s, ss, o, H * D);
+                    else query_tile(0, qp, qt, nq, t0, kt, vg, D, D, scale, s, ss, o, H * D);
                 }
                 free(s);
             }
@@ -203,8 +233,8 @@ int causal_attention_bf16(const void *q, int64_t qb, int64_t qh, int64_t qt, con
     free(vp);
     return 0;
 #else
-    (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B, (void)H;
-    (void)KV, (void)T, (void)D, (void)scale, (void)threads;
+    (void)bf16, (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B;
+    (void)H, (void)KV, (void)T, (void)D, (void)scale, (void)threads;
     return -1;
 #endif
 }
