@@ -23,8 +23,9 @@ class Step:
     column: int  # first cache column this forward pass writes
     positions: torch.Tensor  # [B, T] token positions (for RoPE / learned positions)
     # Per sliding window: None (attend to every filled column), CAUSAL (a fresh prompt:
-    # SDPA's own causal kernel) or a bool mask [B, 1, T, end], True = attend.
-    masks: dict[int | None, torch.Tensor | str | None]
+    # SDPA's own causal kernel), CausalAfter (new tokens after cached ones, nothing else
+    # masked) or a bool mask [B, 1, T, end], True = attend.
+    masks: dict[int | None, "torch.Tensor | str | CausalAfter | None"]
 
     @staticmethod
     def build(cache: KVCache, tokens: int, windows: set[int | None]) -> "Step":
@@ -58,10 +59,22 @@ class Step:
                 own = k_cols[None, None, :] == q_cols[None, :, None]
                 allowed = allowed & (real | own)
             masks[window] = allowed.unsqueeze(1)
+            if starts is None and not needs_window:  # here: several tokens after cached ones
+                masks[window] = CausalAfter(column, masks[window])
         return Step(column=column, positions=positions, masks=masks)
 
 
 CAUSAL = "causal"
+
+
+@dataclass(frozen=True)
+class CausalAfter:
+    """Causal attention of new tokens after `column` cached ones (a prompt's later chunk, a
+    chat turn): token t sees columns [0, column + t]. `mask` says the same as a bool mask,
+    for SDPA."""
+
+    column: int
+    mask: torch.Tensor
 
 
 def attend(
@@ -71,11 +84,14 @@ def attend(
     h // (H / kv_heads), transformers' repeat_kv order."""
     b, h, t, d = q.shape
     gqa = k.shape[1] != h
-    if mask is CAUSAL:
-        # A fresh prompt on the CPU: the native kernel, 2.8× SDPA's in bf16 (kernels/prefill.c).
-        native = kernels.causal_attention(q, k, v, scale)
+    if mask is CAUSAL or isinstance(mask, CausalAfter):
+        # New tokens on the CPU: the native kernel, 2.8× SDPA's in bf16 (kernels/prefill.c).
+        native = kernels.causal_attention(q, k, v, scale, 0 if mask is CAUSAL else mask.column)
         if native is not None:
             return native
+        if isinstance(mask, CausalAfter):
+            mask = mask.mask
+    if mask is CAUSAL:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

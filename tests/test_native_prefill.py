@@ -51,6 +51,25 @@ def test_native_causal_attention_equals_sdpa(b, h, kv, t, d, dtype):
         assert (got == want).float().mean() > 0.85
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,h,kv,t,column,d", [(1, 9, 3, 5, 3, 64), (2, 4, 2, 37, 20, 64), (1, 6, 2, 9, 100, 128),
+                                               (1, 5, 1, 2, 1, 64), (1, 2, 2, 64, 64, 128)])
+def test_new_tokens_after_cached_ones_equal_sdpa(b, h, kv, t, column, d, dtype):
+    """A later chunk of a prompt or a chat turn: token t sees keys [0, column + t]."""
+    g = torch.Generator().manual_seed(column * 100 + t + d)
+    q = torch.randn(b, t, h, d, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(b, kv, column + t + 5, d, generator=g).to(dtype)[:, :, : column + t] for _ in range(2))
+    allowed = torch.arange(column + t)[None, :] <= torch.arange(column, column + t)[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=d ** -0.5, enable_gqa=kv != h)
+    want = want.transpose(1, 2).reshape(b, t, h * d)
+    got = kernels.causal_attention(q, k, v, d ** -0.5, column)
+    if dtype == torch.float32:
+        assert (got - want).abs().max() < 1e-5
+    else:
+        assert (got.float() - want.float()).abs().max() <= 0.02 and (got == want).float().mean() > 0.85
+    assert kernels.causal_attention(q, k[:, :, :-1], v[:, :, :-1], d ** -0.5, column) is None  # keys ≠ column + t
+
+
 def test_what_it_does_not_read_is_left_to_sdpa():
     q = torch.randn(1, 2, 8, 64).bfloat16()
     k = v = torch.randn(1, 2, 8, 64).bfloat16()
@@ -61,7 +80,7 @@ def test_what_it_does_not_read_is_left_to_sdpa():
     assert lib is not None
     out = torch.empty(1, 8, 128, dtype=torch.bfloat16)
     assert lib.causal_attention(1, q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:2],
-                                out.data_ptr(), 1, 2, 2, 8, 64, 0.125, 2) == -1
+                                out.data_ptr(), 1, 2, 2, 8, 64, 0, 0.125, 2) == -1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -86,3 +105,28 @@ def test_prefill_with_native_attention_tracks_sdpa(model_dirs, family, dtype, mo
         sdpa = m.model(ids, KVCache(m.config, 1, 80, m.dtype, "cpu"), all_logits=True).float()
     assert (native - sdpa).abs().max() < (0.05 if dtype == "bfloat16" else 1e-4)
     assert (native.argmax(-1) == sdpa.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chunked_prefill_and_a_second_turn_take_the_kernel(model_dirs, dtype, monkeypatch):
+    """Chunks after the first (and so a chat turn after cached ones) attend through the
+    kernel with their column, and give the logits of one whole prefill."""
+    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype=dtype)
+    ids = torch.arange(3, 3 + 70).reshape(1, 70)
+    columns = []
+    real = kernels.causal_attention
+
+    def counted(q, k, v, scale, column=0):
+        out = real(q, k, v, scale, column)
+        columns.append(column if out is not None else None)
+        return out
+
+    monkeypatch.setattr(kernels, "causal_attention", counted)
+    with torch.inference_mode():
+        cache = KVCache(m.config, 1, 80, m.dtype, "cpu")
+        parts = [m.model(ids[:, a:b], cache, all_logits=True).float() for a, b in ((0, 30), (30, 55), (55, 70))]
+        chunked = torch.cat(parts, dim=1)
+        whole = m.model(ids, KVCache(m.config, 1, 80, m.dtype, "cpu"), all_logits=True).float()
+    layers = m.config.num_hidden_layers
+    assert columns == [0] * layers + [30] * layers + [55] * layers + [0] * layers
+    assert (chunked - whole).abs().max() < (0.05 if dtype == "bfloat16" else 1e-4)

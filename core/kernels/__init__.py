@@ -100,7 +100,7 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.argmax_rows.argtypes = [p, i64, i64, p]
     handle.causal_attention.restype = ctypes.c_int
     handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_int]
+                                        i64, ctypes.c_float, ctypes.c_int]
     return handle
 
 
@@ -168,15 +168,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=True) for a fresh prompt on the
-    CPU, as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, T, D] (the cache's
-    rows). None where prefill.c does not apply: a dtype other than bf16 and fp32, another
-    device, a head size other than 64 or 128, layouts it does not read, or a CPU without
-    AVX-512 BF16 (the caller then uses SDPA)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     column: int = 0) -> torch.Tensor | None:
+    """Causal attention of T new tokens after `column` cached ones (token t sees keys
+    [0, column + t]; column 0: SDPA(q, k, v, is_causal=True, enable_gqa=True)) on the CPU,
+    as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, column + T, D] (the
+    cache's rows). None where prefill.c does not apply: a dtype other than bf16 and fp32,
+    another device, a head size other than 64 or 128, layouts it does not read, or a CPU
+    without AVX-512 BF16 (the caller then uses SDPA)."""
     b, h, t, d = q.shape
     if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float32)
-            and d in (64, 128) and k.shape == v.shape and k.shape[0] == b and k.shape[2] == t and k.shape[3] == d
+            and d in (64, 128) and k.shape == v.shape and k.shape[0] == b and k.shape[2] == column + t
+            and k.shape[3] == d
             and h % k.shape[1] == 0 and q.stride(3) == 1 and k.stride(3) == v.stride(3) == 1
             and k.stride(2) == v.stride(2) == d and k.stride()[:2] == v.stride()[:2]):
         return None
@@ -186,7 +189,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty(b, t, h * d, dtype=q.dtype)
     status = lib.causal_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
                                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h,
-                                  k.shape[1], t, d, scale, torch.get_num_threads())
+                                  k.shape[1], t, d, column, scale, torch.get_num_threads())
     if status == -2:
         raise MemoryError("native attention could not allocate its buffers")
     return out if status == 0 else None

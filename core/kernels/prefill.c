@@ -1,4 +1,4 @@
-/* Causal attention over a fresh prompt (prefill) in bfloat16 or float32, for head sizes 64
+/* Causal attention of new tokens (prefill: a prompt, a chunk of one, a chat turn) in bfloat16 or float32, for head sizes 64
  * and 128 on CPUs with AVX-512 BF16.
  *
  * Prefill of a long prompt spends a third (fp32) to a half (bf16) of its time in attention
@@ -158,19 +158,20 @@ static inline __attribute__((always_inline)) void value_tile(const int BF, const
     }
 }
 
-/* One tile of up to 4 queries t0 .. t0 + nq - 1 of one head, with s as scratch. */
+/* One tile of up to 4 queries of one head, at positions first .. first + nq - 1 (query i
+ * sees keys [0, first + i]), with s as scratch. */
 static inline __attribute__((always_inline)) void query_tile(const int BF, const uint32_t *q, int64_t qs, int nq,
-                                                             int64_t t0, const uint32_t *kt, const void *vp,
+                                                             int64_t first, const uint32_t *kt, const void *vp,
                                                              int64_t vs, int64_t D, float scale, float *s,
                                                              int64_t ss, void *out, int64_t os) {
-    const int64_t units = BF ? D / 2 : D, n = t0 + nq, nb = (n + 15) / 16;
+    const int64_t units = BF ? D / 2 : D, n = first + nq, nb = (n + 15) / 16;
     if (nq == 4) scores(BF, 4, q, qs, kt, nb, units, scale, s, ss);
     else if (nq == 3) scores(BF, 3, q, qs, kt, nb, units, scale, s, ss);
     else if (nq == 2) scores(BF, 2, q, qs, kt, nb, units, scale, s, ss);
     else scores(BF, 1, q, qs, kt, nb, units, scale, s, ss);
     const int64_t upto = BF ? (n + 1) / 2 * 2 : n, steps = BF ? upto / 2 : n;
     float inv[4];
-    for (int i = 0; i < nq; i++) inv[i] = softmax_row(BF, s + i * ss, t0 + i + 1, upto);
+    for (int i = 0; i < nq; i++) inv[i] = softmax_row(BF, s + i * ss, first + i + 1, upto);
     const uint32_t *p = (const uint32_t *)s; /* rows ss floats apart: ss 32-bit words */
     const int64_t el = BF ? 2 : 4;
     if (D == 64) {
@@ -188,18 +189,19 @@ static inline __attribute__((always_inline)) void query_tile(const int BF, const
 }
 #endif
 
-/* out [B, T, H, D] (q's dtype, contiguous) = causal attention of q [B, H, T, D] (element
- * strides qb, qh, qt; dimensions contiguous) over k, v [B, KV, ≥T, D] (strides kb, kh;
- * rows D apart), query head h reading kv head h / (H / KV); bf16 = 1: bfloat16, 0:
+/* out [B, T, H, D] (q's dtype, contiguous) = causal attention of T new tokens q [B, H, T, D]
+ * (element strides qb, qh, qt; dimensions contiguous), after `column` cached ones, over
+ * k, v [B, KV, ≥column + T, D] (strides kb, kh; rows D apart): token t sees keys
+ * [0, column + t], query head h reads kv head h / (H / KV); bf16 = 1: bfloat16, 0:
  * float32. Returns 0, or -1 where this build or shape is not supported (the caller then
  * uses SDPA), -2 when out of memory. */
 int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
                      int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
-                     float scale, int threads) {
+                     int64_t column, float scale, int threads) {
 #ifdef __AVX512BF16__
-    if ((D != 64 && D != 128) || T < 1 || KV < 1 || H % KV) return -1;
-    const int64_t el = bf16 ? 2 : 4, units = bf16 ? D / 2 : D, group = H / KV;
-    const int64_t blocks = (T + 15) / 16, padded = blocks * 16, tiles = (T + 3) / 4;
+    if ((D != 64 && D != 128) || T < 1 || KV < 1 || H % KV || column < 0) return -1;
+    const int64_t el = bf16 ? 2 : 4, units = bf16 ? D / 2 : D, group = H / KV, N = column + T;
+    const int64_t blocks = (N + 15) / 16, padded = blocks * 16, tiles = (T + 3) / 4;
     uint32_t *kt = aligned_alloc(64, (size_t)(blocks * units * 16) * sizeof(uint32_t));
     __m512i *vp = bf16 ? aligned_alloc(64, (size_t)((padded / 2) * (D / 16)) * sizeof(__m512i)) : NULL;
     if (!kt || (bf16 && !vp)) { free(kt); free(vp); return -2; }
@@ -207,8 +209,8 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < KV; g++) {
             const char *kg = (const char *)k + (b * kb + g * kh) * el, *vg = (const char *)v + (b * kb + g * kh) * el;
-            transpose_keys((const uint32_t *)kg, units, T, units, kt);
-            if (bf16) interleave_values((const uint16_t *)vg, D, T, D, vp);
+            transpose_keys((const uint32_t *)kg, units, N, units, kt);
+            if (bf16) interleave_values((const uint16_t *)vg, D, N, D, vp);
             #pragma omp parallel num_threads(threads) reduction(| : failed)
             {
                 const int64_t ss = padded + 16;
@@ -222,8 +224,8 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
                     const int nq = T - t0 < 4 ? (int)(T - t0) : 4;
                     const uint32_t *qp = (const uint32_t *)((const char *)q + (b * qb + h * qh + t0 * qt) * el);
                     char *o = (char *)out + ((b * T + t0) * H + h) * D * el;
-                    if (bf16) query_tile(1, qp, qt / 2, nq, t0, kt, vp, D, D, scale, s, ss, o, H * D);
-                    else query_tile(0, qp, qt, nq, t0, kt, vg, D, D, scale, s, ss, o, H * D);
+                    if (bf16) query_tile(1, qp, qt / 2, nq, column + t0, kt, vp, D, D, scale, s, ss, o, H * D);
+                    else query_tile(0, qp, qt, nq, column + t0, kt, vg, D, D, scale, s, ss, o, H * D);
                 }
                 free(s);
             }
@@ -234,7 +236,7 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
     return 0;
 #else
     (void)bf16, (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B;
-    (void)H, (void)KV, (void)T, (void)D, (void)scale, (void)threads;
+    (void)H, (void)KV, (void)T, (void)D, (void)column, (void)scale, (void)threads;
     return -1;
 #endif
 }
