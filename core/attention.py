@@ -3,7 +3,9 @@
 `Step` is computed once per forward pass (not once per layer): which cache columns the
 new tokens go to, their positions, and the attention masks. Grouped-query attention
 goes through SDPA's `enable_gqa`, whose CPU and CUDA kernels index the shared KV head
-instead of repeating K and V in memory.
+instead of repeating K and V in memory. New tokens with nothing masked but the future (a
+prompt, a chunk, a chat turn) go to the native CPU kernel where it applies
+(kernels/prefill.c), SDPA otherwise.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class CausalAfter:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | str | CausalAfter | None", scale: float
 ) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, kv_heads, S, D] → [B, T, H*D]. Query head h uses KV head
     h // (H / kv_heads), transformers' repeat_kv order."""
