@@ -61,8 +61,8 @@ class Step:
                 own = k_cols[None, None, :] == q_cols[None, :, None]
                 allowed = allowed & (real | own)
             masks[window] = allowed.unsqueeze(1)
-            if starts is None and not needs_window:  # here: several tokens after cached ones
-                masks[window] = CausalAfter(column, masks[window])
+            if not needs_window:  # several tokens after cached ones, or rows with left padding
+                masks[window] = CausalAfter(column, masks[window], starts)
         return Step(column=column, positions=positions, masks=masks)
 
 
@@ -72,11 +72,13 @@ CAUSAL = "causal"
 @dataclass(frozen=True)
 class CausalAfter:
     """Causal attention of new tokens after `column` cached ones (a prompt's later chunk, a
-    chat turn): token t sees columns [0, column + t]. `mask` says the same as a bool mask,
+    chat turn), in rows that may start later (`starts`: left padding): token t sees columns
+    [start, column + t], a padding token only itself. `mask` says the same as a bool mask,
     for SDPA."""
 
     column: int
     mask: torch.Tensor
+    starts: torch.Tensor | None = None
 
 
 def attend(
@@ -88,7 +90,8 @@ def attend(
     gqa = k.shape[1] != h
     if mask is CAUSAL or isinstance(mask, CausalAfter):
         # New tokens on the CPU: the native kernel, 2.8× SDPA's in bf16 (kernels/prefill.c).
-        native = kernels.causal_attention(q, k, v, scale, 0 if mask is CAUSAL else mask.column)
+        native = (kernels.causal_attention(q, k, v, scale) if mask is CAUSAL
+                  else kernels.causal_attention(q, k, v, scale, mask.column, mask.starts))
         if native is not None:
             return native
         if isinstance(mask, CausalAfter):

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from twice.core import kernels
+from twice.core.attention import CausalAfter, Step
 from twice.core.cache import KVCache
+from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.load import load
 
 
@@ -70,6 +72,35 @@ def test_new_tokens_after_cached_ones_equal_sdpa(b, h, kv, t, column, d, dtype):
     assert kernels.causal_attention(q, k[:, :, :-1], v[:, :, :-1], d ** -0.5, column) is None  # keys ≠ column + t
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("column,t,starts", [(0, 20, [0, 5, 12]), (4, 9, [0, 3, 7]), (0, 37, [36, 0, 17])])
+def test_left_padded_rows_equal_sdpa_with_steps_mask(column, t, starts, dtype):
+    """Rows that start later (left padding, as a batch of prompts holds them): the kernel
+    against SDPA with the mask Step builds (a padding query sees only itself)."""
+    b, h, kv, d = len(starts), 4, 2, 64
+    g = torch.Generator().manual_seed(column + t)
+    q = torch.randn(b, t, h, d, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(b, kv, column + t, d, generator=g).to(dtype) for _ in range(2))
+    cache = KVCache(tiny_config(), b, column + t, dtype, "cpu")
+    cache.length, cache.starts = column, torch.tensor(starts)
+    step = Step.build(cache, t, {None})
+    mask = step.masks[None]
+    assert isinstance(mask, CausalAfter) and mask.column == column
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, scale=0.125, enable_gqa=True)
+    want = want.transpose(1, 2).reshape(b, t, h * d)
+    got = kernels.causal_attention(q, k, v, 0.125, column, mask.starts)
+    if dtype == torch.float32:
+        assert (got - want).abs().max() < 1e-5
+    else:
+        assert (got.float() - want.float()).abs().max() <= 0.02 and (got == want).float().mean() > 0.85
+
+
+def tiny_config():
+    from twice.core.benchmark import shape_config
+
+    return shape_config("tiny")
+
+
 def test_what_it_does_not_read_is_left_to_sdpa():
     q = torch.randn(1, 2, 8, 64).bfloat16()
     k = v = torch.randn(1, 2, 8, 64).bfloat16()
@@ -80,7 +111,7 @@ def test_what_it_does_not_read_is_left_to_sdpa():
     assert lib is not None
     out = torch.empty(1, 8, 128, dtype=torch.bfloat16)
     assert lib.causal_attention(1, q.data_ptr(), *q.stride()[:3], k.data_ptr(), v.data_ptr(), *k.stride()[:2],
-                                out.data_ptr(), 1, 2, 2, 8, 64, 0, 0.125, 2) == -1
+                                out.data_ptr(), 1, 2, 2, 8, 64, 0, None, 0.125, 2) == -1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -116,8 +147,8 @@ def test_chunked_prefill_and_a_second_turn_take_the_kernel(model_dirs, dtype, mo
     columns = []
     real = kernels.causal_attention
 
-    def counted(q, k, v, scale, column=0):
-        out = real(q, k, v, scale, column)
+    def counted(q, k, v, scale, column=0, starts=None):
+        out = real(q, k, v, scale, column, starts)
         columns.append(column if out is not None else None)
         return out
 
@@ -130,3 +161,28 @@ def test_chunked_prefill_and_a_second_turn_take_the_kernel(model_dirs, dtype, mo
     layers = m.config.num_hidden_layers
     assert columns == [0] * layers + [30] * layers + [55] * layers + [0] * layers
     assert (chunked - whole).abs().max() < (0.05 if dtype == "bfloat16" else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_padded_batch_takes_the_kernel_and_equals_each_prompt_alone(model_dirs, dtype, monkeypatch):
+    """generate_batch left-pads prompts of different lengths into one prefill: through the
+    kernel, every row's greedy tokens are those of its prompt alone."""
+    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype=dtype)
+    engine = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    prompts = [list(range(3, 8)), list(range(10, 29)), list(range(40, 51))]
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in (12, 6, 9)]
+    alone = [list(engine.generate(Request(ids=p), s, reuse_cache=False))[-1].result.token_ids
+             for p, s in zip(prompts, settings)]
+    padded = []
+    real = kernels.causal_attention
+
+    def counted(q, k, v, scale, column=0, starts=None):
+        out = real(q, k, v, scale, column, starts)
+        padded.append(starts is not None and out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "causal_attention", counted)
+    batched = {e.row: e.result.token_ids for e in engine.generate_batch([Request(ids=p) for p in prompts], settings)
+               if type(e).__name__ == "Done"}
+    assert any(padded)  # the padded prefill went through the kernel
+    assert [batched[i] for i in range(3)] == alone

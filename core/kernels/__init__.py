@@ -100,7 +100,7 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.argmax_rows.argtypes = [p, i64, i64, p]
     handle.causal_attention.restype = ctypes.c_int
     handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
-                                        i64, ctypes.c_float, ctypes.c_int]
+                                        i64, p, ctypes.c_float, ctypes.c_int]
     return handle
 
 
@@ -168,10 +168,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     column: int = 0) -> torch.Tensor | None:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, column: int = 0,
+                     starts: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of T new tokens after `column` cached ones (token t sees keys
-    [0, column + t]; column 0: SDPA(q, k, v, is_causal=True, enable_gqa=True)) on the CPU,
+    [0, column + t]; column 0: SDPA(q, k, v, is_causal=True, enable_gqa=True)) on the CPU;
+    with `starts` [B], row b's keys begin at starts[b] (left padding before it; a padding
+    token sees only itself, as Step's masks say),
     as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, column + T, D] (the
     cache's rows). None where prefill.c does not apply: a dtype other than bf16 and fp32,
     another device, a head size other than 64 or 128, layouts it does not read, or a CPU
@@ -186,10 +188,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     lib = library()
     if lib is None:
         return None
+    if starts is not None:
+        if starts.shape != (b,) or starts.device.type != "cpu":
+            return None
+        starts = starts.to(torch.int64).contiguous()
     out = torch.empty(b, t, h * d, dtype=q.dtype)
     status = lib.causal_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
                                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h,
-                                  k.shape[1], t, d, column, scale, torch.get_num_threads())
+                                  k.shape[1], t, d, column, starts.data_ptr() if starts is not None else None, scale,
+                                  torch.get_num_threads())
     if status == -2:
         raise MemoryError("native attention could not allocate its buffers")
     return out if status == 0 else None

@@ -91,23 +91,36 @@ static inline __attribute__((always_inline)) void scores(const int BF, const int
     }
 }
 
-/* Softmax of s[0, n) (n ≥ 1) in place → e^(s - max), zero from n up to `upto`; returns
- * 1/sum. bf16: the probabilities rounded to bf16 and packed two to a 32-bit word. */
-static float softmax_row(int bf16, float *s, int64_t n, int64_t upto) {
+/* Lanes j .. j+15 that lie in [lo, n). */
+static inline __mmask16 lanes(int64_t j, int64_t lo, int64_t n) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    if (lo > j) m &= (__mmask16)~((1u << (lo - j)) - 1);
+    return m;
+}
+
+/* Softmax of s[lo, n) (lo < n) in place → e^(s - max), zero before lo and from n up to
+ * `upto`; returns 1/sum. bf16: the probabilities rounded to bf16 and packed two to a
+ * 32-bit word. */
+static float softmax_row(int bf16, float *s, int64_t lo, int64_t n, int64_t upto) {
+    const int64_t from = lo / 16 * 16;
     __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    for (int64_t j = from; j < n; j += 16) {
+        const __mmask16 live = lanes(j, lo, n);
         mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, s + j));
     }
     const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
     uint16_t *pb = (uint16_t *)s; /* bf16 j at byte 2j, behind float j at byte 4j: in place is safe */
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    for (int64_t j = from; j < n; j += 16) {
+        const __mmask16 live = lanes(j, lo, n);
         const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mb)));
         sum = _mm512_add_ps(sum, e);
         if (bf16) _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
         else _mm512_mask_storeu_ps(s + j, live, e);
+    }
+    for (int64_t j = 0; j < lo; j++) {
+        if (bf16) pb[j] = 0;
+        else s[j] = 0.0f;
     }
     for (int64_t j = n; j < upto; j++) {
         if (bf16) pb[j] = 0;
@@ -158,10 +171,12 @@ static inline __attribute__((always_inline)) void value_tile(const int BF, const
     }
 }
 
-/* One tile of up to 4 queries of one head, at positions first .. first + nq - 1 (query i
- * sees keys [0, first + i]), with s as scratch. */
+/* One tile of up to 4 queries of one head, at positions first .. first + nq - 1 of a row
+ * whose real tokens start at `start` (query i sees keys [start, first + i]; a padding
+ * query, before start, sees only itself), with s as scratch. */
 static inline __attribute__((always_inline)) void query_tile(const int BF, const uint32_t *q, int64_t qs, int nq,
-                                                             int64_t first, const uint32_t *kt, const void *vp,
+                                                             int64_t first, int64_t start, const uint32_t *kt,
+                                                             const void *vp,
                                                              int64_t vs, int64_t D, float scale, float *s,
                                                              int64_t ss, void *out, int64_t os) {
     const int64_t units = BF ? D / 2 : D, n = first + nq, nb = (n + 15) / 16;
@@ -171,7 +186,10 @@ static inline __attribute__((always_inline)) void query_tile(const int BF, const
     else scores(BF, 1, q, qs, kt, nb, units, scale, s, ss);
     const int64_t upto = BF ? (n + 1) / 2 * 2 : n, steps = BF ? upto / 2 : n;
     float inv[4];
-    for (int i = 0; i < nq; i++) inv[i] = softmax_row(BF, s + i * ss, first + i + 1, upto);
+    for (int i = 0; i < nq; i++) {
+        const int64_t at = first + i;
+        inv[i] = softmax_row(BF, s + i * ss, at < start ? at : start, at + 1, upto);
+    }
     const uint32_t *p = (const uint32_t *)s; /* rows ss floats apart: ss 32-bit words */
     const int64_t el = BF ? 2 : 4;
     if (D == 64) {
@@ -192,12 +210,13 @@ static inline __attribute__((always_inline)) void query_tile(const int BF, const
 /* out [B, T, H, D] (q's dtype, contiguous) = causal attention of T new tokens q [B, H, T, D]
  * (element strides qb, qh, qt; dimensions contiguous), after `column` cached ones, over
  * k, v [B, KV, ≥column + T, D] (strides kb, kh; rows D apart): token t sees keys
- * [0, column + t], query head h reads kv head h / (H / KV); bf16 = 1: bfloat16, 0:
+ * [starts[b], column + t] (starts NULL: from 0; a padding token, before its row's start,
+ * sees only itself), query head h reads kv head h / (H / KV); bf16 = 1: bfloat16, 0:
  * float32. Returns 0, or -1 where this build or shape is not supported (the caller then
  * uses SDPA), -2 when out of memory. */
 int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
                      int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
-                     int64_t column, float scale, int threads) {
+                     int64_t column, const int64_t *starts, float scale, int threads) {
 #ifdef __AVX512BF16__
     if ((D != 64 && D != 128) || T < 1 || KV < 1 || H % KV || column < 0) return -1;
     const int64_t el = bf16 ? 2 : 4, units = bf16 ? D / 2 : D, group = H / KV, N = column + T;
@@ -208,6 +227,7 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
     int failed = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < KV; g++) {
+            const int64_t start = starts ? starts[b] : 0;
             const char *kg = (const char *)k + (b * kb + g * kh) * el, *vg = (const char *)v + (b * kb + g * kh) * el;
             transpose_keys((const uint32_t *)kg, units, N, units, kt);
             if (bf16) interleave_values((const uint16_t *)vg, D, N, D, vp);
@@ -224,8 +244,8 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
                     const int nq = T - t0 < 4 ? (int)(T - t0) : 4;
                     const uint32_t *qp = (const uint32_t *)((const char *)q + (b * qb + h * qh + t0 * qt) * el);
                     char *o = (char *)out + ((b * T + t0) * H + h) * D * el;
-                    if (bf16) query_tile(1, qp, qt / 2, nq, column + t0, kt, vp, D, D, scale, s, ss, o, H * D);
-                    else query_tile(0, qp, qt, nq, column + t0, kt, vg, D, D, scale, s, ss, o, H * D);
+                    if (bf16) query_tile(1, qp, qt / 2, nq, column + t0, start, kt, vp, D, D, scale, s, ss, o, H * D);
+                    else query_tile(0, qp, qt, nq, column + t0, start, kt, vg, D, D, scale, s, ss, o, H * D);
                 }
                 free(s);
             }
@@ -236,7 +256,7 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
     return 0;
 #else
     (void)bf16, (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B;
-    (void)H, (void)KV, (void)T, (void)D, (void)column, (void)scale, (void)threads;
+    (void)H, (void)KV, (void)T, (void)D, (void)column, (void)starts, (void)scale, (void)threads;
     return -1;
 #endif
 }
