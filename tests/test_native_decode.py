@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny import cpu_flags
 
 from twice.core import kernels
 from twice.core.cache import KVCache
@@ -170,21 +171,13 @@ def test_a_token_outside_the_vocabulary_is_refused_before_anything_is_written(mo
             assert cache.length == 3 and torch.equal(cache.k, before)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 @pytest.mark.parametrize("march,needs", [("x86-64-v3", "avx2"), ("skylake-avx512", "avx512f")])
 def test_builds_for_older_cpus_compute_the_same(model_dirs, march, needs):
     """The paths a CPU without AVX-512 BF16 (or without AVX-512) runs: a library built for
     that instruction set, on this machine, against eager — batched, both dtypes."""
     import platform
 
-    if platform.machine() != "x86_64" or needs not in _cpu_flags():
+    if platform.machine() != "x86_64" or needs not in cpu_flags():
         pytest.skip(f"needs an x86-64 CPU with {needs}")
     lib = kernels._build(march=march)
     assert lib is not None
@@ -225,7 +218,7 @@ def _argmax_cases():
 def test_argmax_picks_what_torch_picks(march):
     import platform
 
-    if march != "native" and (platform.machine() != "x86_64" or "avx2" not in _cpu_flags()):
+    if march != "native" and (platform.machine() != "x86_64" or "avx2" not in cpu_flags()):
         pytest.skip("needs an x86-64 CPU with avx2")
     lib = kernels.library() if march == "native" else kernels._build(march=march)
     for x in _argmax_cases():

@@ -6,24 +6,18 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import cpu_flags
 
 from twice.core import kernels
 from twice.core.attention import CausalAfter, Step
+from twice.core.benchmark import shape_config
 from twice.core.cache import KVCache
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.load import load
 
 
-def _has_bf16_dot() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return False
-    return platform.machine() == "x86_64" and "avx512_bf16" in flags
-
-
-pytestmark = pytest.mark.skipif(not (kernels.available() and _has_bf16_dot()),
+pytestmark = pytest.mark.skipif(not (kernels.available() and platform.machine() == "x86_64"
+                                     and "avx512_bf16" in cpu_flags()),
                                 reason="needs the native kernels on a CPU with AVX-512 BF16")
 
 
@@ -81,7 +75,7 @@ def test_left_padded_rows_equal_sdpa_with_steps_mask(column, t, starts, dtype):
     g = torch.Generator().manual_seed(column + t)
     q = torch.randn(b, t, h, d, generator=g).to(dtype).transpose(1, 2)
     k, v = (torch.randn(b, kv, column + t, d, generator=g).to(dtype) for _ in range(2))
-    cache = KVCache(tiny_config(), b, column + t, dtype, "cpu")
+    cache = KVCache(shape_config("tiny"), b, column + t, dtype, "cpu")
     cache.length, cache.starts = column, torch.tensor(starts)
     step = Step.build(cache, t, {None})
     mask = step.masks[None]
@@ -93,12 +87,6 @@ def test_left_padded_rows_equal_sdpa_with_steps_mask(column, t, starts, dtype):
         assert (got - want).abs().max() < 1e-5
     else:
         assert (got.float() - want.float()).abs().max() <= 0.02 and (got == want).float().mean() > 0.85
-
-
-def tiny_config():
-    from twice.core.benchmark import shape_config
-
-    return shape_config("tiny")
 
 
 def test_what_it_does_not_read_is_left_to_sdpa():

@@ -130,3 +130,12 @@ def add_gguf_metadata(writer, metadata: dict) -> None:
             writer.add_string(key, value)
         else:
             writer.add_array(key, value)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo), for tests of instruction-set-specific kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()

@@ -5,9 +5,10 @@ torch op `twice::gemv`, so compiled graphs (fastpath.py) call it like any other 
 `decode_step` (decode.c) runs a whole llama-family decode step in one call
 (native_decode.py). `peak_macs` (peak.c) measures the multiply-add peak that batched
 decode is held against (`twice bench`). `argmax` (argmax.c) is greedy decoding's choice
-on the CPU; `causal_attention` (prefill.c) is a fresh prompt's attention. When no C compiler is there, or it fails,
-`available()` is False and decode uses the eager or torch.compile'd path instead;
-nothing else changes.
+on the CPU; `causal_attention` (prefill.c) is the attention of new tokens in prefill (a
+prompt, a chunk, a chat turn, a padded batch). When no C compiler is there, or it fails,
+`available()` is False and decode uses the eager or torch.compile'd path instead, prefill
+SDPA; nothing else changes.
 
 The shared library lands in <cache>/kernels/, named by a hash of the source, the flags
 and the machine, built into a temporary name and renamed, so concurrent first runs and
@@ -170,12 +171,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, column: int = 0,
                      starts: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Causal attention of T new tokens after `column` cached ones (token t sees keys
-    [0, column + t]; column 0: SDPA(q, k, v, is_causal=True, enable_gqa=True)) on the CPU;
-    with `starts` [B], row b's keys begin at starts[b] (left padding before it; a padding
-    token sees only itself, as Step's masks say),
-    as [B, T, H·D] (attend's layout); q [B, H, T, D], k/v [B, KV, column + T, D] (the
-    cache's rows). None where prefill.c does not apply: a dtype other than bf16 and fp32,
+    """Causal attention of T new tokens after `column` cached ones on the CPU, as
+    [B, T, H·D] (attend's layout): token t sees keys [0, column + t] (column 0: SDPA(q, k,
+    v, is_causal=True, enable_gqa=True)); with `starts` [B], row b's keys begin at
+    starts[b] (left padding before it; a padding token sees only itself, as Step's masks
+    say). q [B, H, T, D], k/v [B, KV, column + T, D] (the cache's rows). None where prefill.c does not apply: a dtype other than bf16 and fp32,
     another device, a head size other than 64 or 128, layouts it does not read, or a CPU
     without AVX-512 BF16 (the caller then uses SDPA)."""
     b, h, t, d = q.shape

@@ -205,31 +205,17 @@ static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *
         p[j] = _mm512_reduce_add_ps(key_dot(d, NV, q, qb, kc, base + j * D)) * d->scale;
         if (p[j] > m) m = p[j];
     }
-    const __m512 mb = _mm512_set1_ps(m);
-    __m512 sumv = _mm512_setzero_ps();
-    for (j = 0; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + j), mb));
-        _mm512_mask_storeu_ps(p + j, live, e);
-        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(live, e));
-    }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
 #ifdef __AVX512BF16__
-    if (d->bf16) {  /* packed in place: bf16 j lands at byte 2j, behind float j's byte 4j */
-        uint16_t *pb = (uint16_t *)p;
-        for (j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-            const __m512 e = _mm512_maskz_loadu_ps(live, p + j);
-            _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        pb[n] = 0;  /* the odd key's partner */
+    if (d->bf16) {  /* bf16 pairs for values_vec's dot products */
+        const float inv = 1.0f / exp_sum(p, 0, n, m, 1);
+        ((uint16_t *)p)[n] = 0;  /* the odd key's partner */
         return inv;
     }
 #endif
-    const __m512 invv = _mm512_set1_ps(inv);
+    const __m512 inv = _mm512_set1_ps(1.0f / exp_sum(p, 0, n, m, 0));
     for (j = 0; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), invv));
+        const __mmask16 live = lanes16(j, 0, n);
+        _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), inv));
     }
     return 1.0f;
 }
@@ -249,7 +235,8 @@ static inline __attribute__((always_inline)) void values_vec(const Dims *d, cons
     if (d->bf16) {
         /* Two keys per dot product: interleaving value rows j and j+1 (unpack) puts
          * (V[j][i], V[j+1][i]) in one 32-bit lane, against the broadcast (p[j], p[j+1]).
-         * The unpacks order lanes within 128-bit blocks; one permute at the end undoes it. */
+         * The unpacks order lanes within 128-bit blocks; one permute at the end undoes it
+         * (unpacked_first16/second16). */
         const __m512i zero = _mm512_setzero_si512();
         for (int64_t j = 0; j < n; j += 2) {
             const uint16_t *r0 = (const uint16_t *)vc + base + j * D, *r1 = r0 + D;
@@ -265,15 +252,12 @@ static inline __attribute__((always_inline)) void values_vec(const Dims *d, cons
                 }
             }
         }
-        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
         for (int h = 0; h < NH; h++) {
             const __m512 sc = _mm512_set1_ps(scale[h]);
             for (int v = 0; v < NV / 2; v++) {
                 const __m512 a = o[h][2 * v], b = o[h][2 * v + 1];
-                _mm512_storeu_ps(out + h * D + 32 * v, round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), sc)));
-                _mm512_storeu_ps(out + h * D + 32 * v + 16,
-                                 round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), sc)));
+                _mm512_storeu_ps(out + h * D + 32 * v, round_bf16(_mm512_mul_ps(unpacked_first16(a, b), sc)));
+                _mm512_storeu_ps(out + h * D + 32 * v + 16, round_bf16(_mm512_mul_ps(unpacked_second16(a, b), sc)));
             }
         }
         return;

@@ -1,5 +1,5 @@
-/* Causal attention of new tokens (prefill: a prompt, a chunk of one, a chat turn) in bfloat16 or float32, for head sizes 64
- * and 128 on CPUs with AVX-512 BF16.
+/* Causal attention of new tokens (prefill: a prompt, a chunk of one, a chat turn, a padded
+ * batch) in bfloat16 or float32, for head sizes 64 and 128 on CPUs with AVX-512 BF16.
  *
  * Prefill of a long prompt spends a third (fp32) to a half (bf16) of its time in attention
  * (SDPA's CPU flash kernel runs at a quarter of the multiply-add peak here), the rest in
@@ -40,7 +40,7 @@ static void transpose_keys(const uint32_t *k, int64_t stride, int64_t n, int64_t
 
 /* bf16 values [n, D] → vp[pair of keys][D/16][16]: unpacking rows 2m and 2m+1 puts
  * (V[2m][i], V[2m+1][i]) in one 32-bit lane, for i in an order permuted within 128-bit
- * blocks that value_tile undoes at the end (zero past n). */
+ * blocks that value_tile undoes at the end (unpacked_first16/second16; zero past n). */
 static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int64_t D, __m512i *vp) {
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t m = 0; 2 * m < n; m++) {
@@ -91,33 +91,17 @@ static inline __attribute__((always_inline)) void scores(const int BF, const int
     }
 }
 
-/* Lanes j .. j+15 that lie in [lo, n). */
-static inline __mmask16 lanes(int64_t j, int64_t lo, int64_t n) {
-    __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-    if (lo > j) m &= (__mmask16)~((1u << (lo - j)) - 1);
-    return m;
-}
-
 /* Softmax of s[lo, n) (lo < n) in place → e^(s - max), zero before lo and from n up to
  * `upto`; returns 1/sum. bf16: the probabilities rounded to bf16 and packed two to a
  * 32-bit word. */
 static float softmax_row(int bf16, float *s, int64_t lo, int64_t n, int64_t upto) {
-    const int64_t from = lo / 16 * 16;
     __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = from; j < n; j += 16) {
-        const __mmask16 live = lanes(j, lo, n);
+    for (int64_t j = lo / 16 * 16; j < n; j += 16) {
+        const __mmask16 live = lanes16(j, lo, n);
         mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, s + j));
     }
-    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    uint16_t *pb = (uint16_t *)s; /* bf16 j at byte 2j, behind float j at byte 4j: in place is safe */
-    for (int64_t j = from; j < n; j += 16) {
-        const __mmask16 live = lanes(j, lo, n);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mb)));
-        sum = _mm512_add_ps(sum, e);
-        if (bf16) _mm256_mask_storeu_epi16(pb + j, live, (__m256i)_mm512_cvtneps_pbh(e));
-        else _mm512_mask_storeu_ps(s + j, live, e);
-    }
+    const float inv = 1.0f / exp_sum(s, lo, n, _mm512_reduce_max_ps(mv), bf16);
+    uint16_t *pb = (uint16_t *)s;
     for (int64_t j = 0; j < lo; j++) {
         if (bf16) pb[j] = 0;
         else s[j] = 0.0f;
@@ -126,7 +110,7 @@ static float softmax_row(int bf16, float *s, int64_t lo, int64_t n, int64_t upto
         if (bf16) pb[j] = 0;
         else s[j] = 0.0f;
     }
-    return 1.0f / _mm512_reduce_add_ps(sum);
+    return inv;
 }
 
 /* out_i = inv_i · Σ p_i · V for NQ queries (p rows `ps` 32-bit words apart) and NV = D/16
@@ -151,15 +135,13 @@ static inline __attribute__((always_inline)) void value_tile(const int BF, const
             }
         }
     }
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < NQ; i++) {
         const __m512 sc = _mm512_set1_ps(inv[i]);
         for (int v = 0; v < NV; v += 2) {
             if (BF) {
                 uint16_t *dst = (uint16_t *)out + i * os + 16 * v;
-                const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], first, o[i][v + 1]), sc);
-                const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(o[i][v], second, o[i][v + 1]), sc);
+                const __m512 lo = _mm512_mul_ps(unpacked_first16(o[i][v], o[i][v + 1]), sc);
+                const __m512 hi = _mm512_mul_ps(unpacked_second16(o[i][v], o[i][v + 1]), sc);
                 _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(lo));
                 _mm256_storeu_si256((__m256i *)(dst + 16), (__m256i)_mm512_cvtneps_pbh(hi));
             } else {

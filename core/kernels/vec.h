@@ -4,6 +4,7 @@
 #define TWICE_VEC_H
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include <stdint.h>
 
 /* e^x to within 2 ulp (Cephes expf): x = n·ln2 + r with |r| ≤ ln2/2, e^r by its degree-7
  * series, times 2^n by scalef (which saturates to 0 or inf as expf does). */
@@ -49,6 +50,44 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
     const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xdd));
+}
+
+/* Lanes j .. j+15 that lie in [lo, n): the mask of a row's partial first and last vectors. */
+static inline __mmask16 lanes16(int64_t j, int64_t lo, int64_t n) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    if (lo > j) m &= (__mmask16)~((1u << (lo - j)) - 1);
+    return m;
+}
+
+/* s[lo, n) → e^(s - m) in place, 16 at a time; returns their sum. With `pack` (AVX-512 BF16
+ * builds only) they are stored rounded to bf16 at (uint16_t *)s + j instead, the layout the
+ * bf16 p·V dot products read: in place is safe, bf16 j lands at byte 2j, behind float j's
+ * byte 4j. */
+static inline float exp_sum(float *s, int64_t lo, int64_t n, float m, int pack) {
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = lo / 16 * 16; j < n; j += 16) {
+        const __mmask16 live = lanes16(j, lo, n);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mb)));
+        sum = _mm512_add_ps(sum, e);
+#ifdef __AVX512BF16__
+        if (pack) { _mm256_mask_storeu_epi16((uint16_t *)s + j, live, (__m256i)_mm512_cvtneps_pbh(e)); continue; }
+#endif
+        (void)pack;
+        _mm512_mask_storeu_ps(s + j, live, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* Unpacking two bf16 rows (unpacklo/hi_epi16) orders their 32 elements within 128-bit
+ * blocks; accumulators a (from the lo unpack) and b (from the hi one) hold them as
+ * 0–3, 8–11, 16–19, 24–27 and 4–7, 12–15, 20–23, 28–31. These return elements 0–15 and
+ * 16–31 in order. */
+static inline __m512 unpacked_first16(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), b);
+}
+static inline __m512 unpacked_second16(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), b);
 }
 #endif
 #endif
