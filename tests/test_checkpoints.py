@@ -117,3 +117,34 @@ def test_loading_peaks_near_the_model_size(tmp_path, tokenizer):
     # allocator slack: measured 1.16x to 1.65x here) stays well below a second copy (2x+).
     assert kept < 1.25 * model_bytes, (kept, model_bytes)
     assert peak < 1.8 * model_bytes, (peak, model_bytes)
+
+
+def test_finite_check_by_sum_misses_nothing():
+    """all_finite's shortcut (a finite sum) never passes a NaN or inf, and a sum that
+    overflows (all values finite) still passes, in every stored float type."""
+    from twice.weights.checkpoint import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        big = torch.finfo(dtype).max
+        assert all_finite(torch.randn(1000).to(dtype))
+        assert all_finite(torch.full((100,), big, dtype=dtype))  # the sum overflows; the values are fine
+        assert all_finite(torch.tensor([big, -big, big], dtype=dtype))
+        assert all_finite(torch.empty(0, dtype=dtype))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            x = torch.randn(1000).to(dtype)
+            x[437] = bad
+            assert not all_finite(x), (dtype, bad)
+        assert not all_finite(torch.tensor([float("inf"), float("-inf")], dtype=dtype))  # sums to NaN
+
+
+def test_reads_through_one_scratch_buffer_are_exact(model_dirs):
+    """Every tensor read through the shared scratch buffer (smaller ones after larger,
+    so they land on its head) equals safetensors' own reading of the file."""
+    from twice.weights.checkpoint import Scratch, TensorFile
+
+    path = model_dirs("llama") / "model.safetensors"
+    expected = load_file(path)
+    tf = TensorFile(path)
+    scratch = Scratch()
+    for name in sorted(tf.names, key=lambda n: -expected[n].numel()):
+        assert torch.equal(tf.read(name, scratch=scratch), expected[name]), name

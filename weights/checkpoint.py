@@ -195,19 +195,20 @@ class TensorFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def read(self, name: str, source: Source | None = None) -> torch.Tensor:
-        """The tensor as stored, in a fresh buffer; only the `source` slice of it (rows or
-        columns) when a tensor-parallel rank needs just that part."""
+    def read(self, name: str, source: Source | None = None, scratch: Scratch | None = None) -> torch.Tensor:
+        """The tensor as stored, in a fresh buffer (or in `scratch`'s, valid until its next
+        use); only the `source` slice of it (rows or columns) when a tensor-parallel rank
+        needs just that part."""
         info = self.header[name]
         dtype = _TORCH_FLOATS[info["dtype"]]
         shape = list(info["shape"])
         start, end = info["data_offsets"]
         if source is None:
-            return self._read_span(name, start, end - start, shape, dtype)
+            return self._read_span(name, start, end - start, shape, dtype, scratch)
         row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
         if source.dim == 0:  # whole rows: one contiguous span
             shape[0] = source.stop - source.start
-            return self._read_span(name, start + source.start * row_bytes, shape[0] * row_bytes, shape, dtype)
+            return self._read_span(name, start + source.start * row_bytes, shape[0] * row_bytes, shape, dtype, scratch)
         # Columns [a, b) of a 2-D tensor: a strided read, one span per row, of exactly those bytes.
         element = row_bytes // shape[1] if shape[1] else 0
         width = (source.stop - source.start) * element
@@ -224,19 +225,40 @@ class TensorFile:
         shape[1] = source.stop - source.start
         return torch.frombuffer(out, dtype=dtype).reshape(shape) if out else torch.empty(shape, dtype=dtype)
 
-    def _read_span(self, name: str, offset: int, length: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-        buf = bytearray(length)
+    def _read_span(self, name: str, offset: int, length: int, shape: list[int], dtype: torch.dtype,
+                   scratch: Scratch | None) -> torch.Tensor:
+        buf = scratch.take(length) if scratch is not None else bytearray(length)
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.data_start + offset)
-                got = f.readinto(buf)
+                got = f.readinto(memoryview(buf)[:length])
         except OSError as e:
             raise WeightsError(f"{self.path}: cannot read tensor {name!r} ({e.strerror or e})") from None
-        if got != len(buf):
+        if got != length:
             raise WeightsError(f"{self.path}: truncated while reading tensor {name!r}")
-        if not buf:
+        if not length:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        return torch.frombuffer(buf, dtype=dtype, count=length // dtype.itemsize).reshape(shape)
+
+
+class Scratch:
+    """One read buffer for every tensor of a load: a fresh one per tensor is zero-filled
+    and faulted in each time, which cost as much as the reads themselves."""
+
+    def __init__(self):
+        self.buffer = bytearray()
+
+    def take(self, length: int) -> bytearray:
+        if len(self.buffer) < length:
+            self.buffer = bytearray(length)  # a new one: tensors may still view the old
+        return self.buffer
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor`. A float32 sum is finite only if every element is
+    (NaN and inf propagate), and costs a twentieth of isfinite(); only a sum that is not
+    (an overflow, or a real NaN/inf) pays for the element-wise check."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorFile]]:
@@ -261,6 +283,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[tuple[str, int]] = set()
     unexpected: list[str] = []
+    scratch = Scratch()
     with torch.inference_mode():
         for name, tf in iter_tensors(files):
             target = targets.get(name)
@@ -268,7 +291,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
                 if not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
-            _copy(tf, name, target, params[target.param])
+            _copy(tf, name, target, params[target.param], scratch)
             filled.add(target.key)
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else "")
@@ -279,7 +302,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
         raise WeightsError(f"{folder}: checkpoint is missing tensors: {shown}")
 
 
-def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor) -> None:
+def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> None:
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
     expected = list(dest.shape[::-1]) if target.transpose else list(dest.shape)
     if target.source is not None:  # this rank keeps a slice: the file holds the whole tensor
@@ -287,7 +310,7 @@ def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor) -> Non
     shape = tf.shape(name)
     if shape != tuple(expected):
         raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {expected}")
-    tensor = tf.read(name, target.source)
-    if not torch.isfinite(tensor).all():
+    tensor = tf.read(name, target.source, scratch)
+    if not all_finite(tensor):
         raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
     dest.copy_(tensor.t() if target.transpose else tensor)
