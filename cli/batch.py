@@ -320,6 +320,7 @@ class Plan:
     timing: bool
     system: str | None
     use_chat: bool = False
+    compile: bool = False  # --compile: the torch.compile'd decode step (and CUDA graphs on a GPU)
     quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
 
 
@@ -376,6 +377,7 @@ def batch(
     prefill_chunk: o.PrefillChunk = None,
     tp: o.TensorParallel = 1,
     timing: o.Timing = False,
+    compile: o.Compile = False,
     no_color: o.NoColor = False,
 ):
     if no_color:
@@ -390,7 +392,7 @@ def batch(
         failure, merge = None, None
         try:
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
-                                        input_format, model, revision, device, dtype, chat, system, timing,
+                                        input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                                          stop, prefill_chunk))
         except TwiceError as e:
@@ -411,7 +413,7 @@ def batch(
 
 
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
-                        model, revision, device, dtype, chat, system, timing, settings):
+                        model, revision, device, dtype, chat, system, timing, compile, settings):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -443,7 +445,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
             _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
         return merge
     plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
-                batch_size=batch_size, timing=timing, system=system)
+                batch_size=batch_size, timing=timing, system=system, compile=compile)
     if shard.active and launch.rank != 0:
         plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
     loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard)
@@ -457,7 +459,7 @@ def _run(loaded, plan: Plan, base) -> None:
     from twice.core.engine import Engine
 
     say = _quiet if plan.quiet else _say
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=plan.compile)
     jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)
     if not plan.quiet:
         _report_lines(plan.name, token_errors, [])

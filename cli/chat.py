@@ -69,6 +69,7 @@ def chat(
     system: o.System = None,
     prefill_chunk: o.PrefillChunk = None,
     timing: TimingEach = False,
+    compile: o.Compile = False,
     history: History = None,
     no_color: o.NoColor = False,
 ):
@@ -92,7 +93,7 @@ def chat(
                                  repetition_penalty, seed)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
                                   prefill_chunk=prefill_chunk)
-    engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids)
+    engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile)
     session = ChatSession(loaded, engine, settings, system, timing)
     reader = make_reader(history)
     session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · /help for commands",
@@ -156,7 +157,8 @@ class ChatSession:
             with readout:
                 for event in events:
                     if isinstance(event, Notice):
-                        self.say(f"note: {event.message} (/drop N or /reset makes room)", "yellow")
+                        hint = " (/drop N or /reset makes room)" if event.context else ""
+                        self.say(f"note: {event.message}{hint}", "yellow")
                     elif isinstance(event, Done):
                         result = event.result
                     else:

@@ -29,8 +29,10 @@ Truncate = Annotated[Optional[str], typer.Option(
 TensorParallel = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel degree: shard the model over this many processes (run under torchrun "
                  "--nproc-per-node N). Default 1.")]
-Compile = Annotated[bool, typer.Option("--compile", help="Compile the batch-1 decode step with torch.compile "
-                                                         "(faster decode; compile time is reported on its own). "
+Compile = Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile (faster "
+                                                         "decode; compile time is reported on its own): batch 1 on "
+                                                         "the CPU; any batch on a GPU, where each cache's whole step "
+                                                         "is also recorded once as a CUDA graph. "
                                                          "Llama-family models on the CPU already decode with the "
                                                          "native step, which needs no compiling.")]
 

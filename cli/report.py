@@ -87,7 +87,7 @@ def timing_table(result, loaded) -> Table:
     t.add_row("", "tokens/s", f"{r.decode_tokens_per_second:,.1f}",
               "after the first token: (generated − 1) ÷ decode time")
     t.add_row("", "step", getattr(r, "decode_path", "eager"),
-              "native: one C call per step (llama family, CPU); compiled: torch.compile (batch 1); eager: PyTorch layers")
+              "native: one C call per step (llama family, CPU); compiled: torch.compile (batch 1 on the CPU; any batch, as a CUDA graph, on a GPU); eager: PyTorch layers")
     if steps:
         p = latency_percentiles(steps)
         t.add_row("", "step latency p50", seconds(p["p50"]),

@@ -291,7 +291,7 @@ def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 
             decode_tps = r.decode_tokens_per_second
         else:  # aggregate: all rows' tokens after the first over the decode span
             first = min(x.ttft_seconds for x in results)
-            span = wall - first
+            span = wall - first - r.compile_seconds  # compiling (and recording a GPU graph) is not decoding
             decode_tps = sum(x.generated_tokens - 1 for x in results) / span if span > 0 else 0.0
         p50, p99 = _steps_summary(r.step_seconds)
         runs.append(Run(name or engine_name(engine), prompt_tokens, new_tokens, batch,
@@ -442,11 +442,15 @@ WORKLOADS = {
 # twice: the eager PyTorch layers; twice-native: the one-call C decode step (CPU, llama
 # family: what `twice generate` uses there); twice-compiled: the torch.compile'd step.
 ENGINES = ("naive", "transformers", "transformers-static", "twice", "twice-native", "twice-compiled")
-BATCH1_ONLY = ("twice-compiled",)
+BATCH1_ONLY = ("twice-compiled",)  # on the CPU
 
 
 def engine_name(engine: Engine) -> str:
     return {"native": "twice-native", "compiled": "twice-compiled"}.get(engine.decode_path, "twice")
+
+
+def _on_cpu(model: CausalLM) -> bool:
+    return next(model.parameters()).device.type == "cpu"
 
 
 def default_engines(workload: Workload, model: CausalLM | None = None) -> tuple[str, ...]:
@@ -454,7 +458,8 @@ def default_engines(workload: Workload, model: CausalLM | None = None) -> tuple[
         return ("naive", "twice", "transformers")
     native = ("twice-native",) if model is not None and native_supported(model) else ()
     if workload.batch > 1:
-        return ("twice", *native, "transformers")
+        compiled = ("twice-compiled",) if model is not None and not _on_cpu(model) else ()
+        return ("twice", *native, *compiled, "transformers")
     return ("twice", *native, "twice-compiled", "transformers")
 
 
@@ -489,8 +494,8 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
             if name == "naive":
                 run = run_naive(model, w.prompt_tokens, w.new_tokens, repeats=1)
             elif name.startswith("twice"):
-                if name in BATCH1_ONLY and w.batch > 1:
-                    continue  # the compiled step serves batch 1
+                if name in BATCH1_ONLY and w.batch > 1 and _on_cpu(model):
+                    continue  # the compiled step serves batch 1 on the CPU (any batch on a GPU)
                 engine = twice_engine(name)
                 if engine_name(engine) != name:  # that decode step does not apply to this model here
                     say(f"skip {name}: not available for this model or machine")

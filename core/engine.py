@@ -107,6 +107,7 @@ class Notice:
 
     message: str
     row: int | None = None  # the batch row it is about, if any
+    context: bool = False  # about the model's context being too short for the request
 
 
 @dataclass
@@ -289,7 +290,7 @@ class Engine:
         ids, dropped = self._truncate(ids, settings)
         if dropped:
             yield Notice(f"dropped the first {dropped} prompt tokens to fit the context of {self.context_length} "
-                         f"(--truncate left)")
+                         f"(--truncate left)", context=True)
         max_new = self._check_length(ids, settings)
         reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
         reused = min(reused, len(ids) - 1)  # at least one token must run to produce logits
@@ -303,18 +304,13 @@ class Engine:
                                  kv_heads=self.model.kv_heads)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
-        compile_seconds = 0.0
-        if self.fast and self.fast.supports(self.cache):
-            if not self.fast.is_warm(self.cache):
-                yield Notice(f"compiling the decode step for a {self.cache.capacity}-token cache "
-                             "(once per cache size; cached on disk by torch.compile)")
-            compile_seconds = self.fast.warmup(self.cache)
+        compile_seconds = yield from self._warm(self.cache)
         start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds
         if row.clamped:
             yield Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} "
-                         f"to fit the model's context of {self.context_length} tokens")
+                         f"to fit the model's context of {self.context_length} tokens", context=True)
         yield PrefillStart(1, len(ids), reused, self.cache_stats())
         sampler = Sampler([settings.sampling], [ids], self.config.vocab_size, self.device)
         t0 = time.perf_counter()
@@ -337,7 +333,7 @@ class Engine:
             try:
                 ids, dropped = self._truncate(self.tokenize(request), s)
                 if dropped:
-                    yield Notice(f"dropped the first {dropped} prompt tokens to fit the context", row=i)
+                    yield Notice(f"dropped the first {dropped} prompt tokens to fit the context", row=i, context=True)
                 max_new = self._check_length(ids, s)
             except TwiceError as e:
                 yield Failed(i, str(e))
@@ -348,13 +344,19 @@ class Engine:
         for row in rows:
             if row.clamped:
                 yield Notice(f"max new tokens lowered from {row.settings.max_new_tokens} to {row.max_new} "
-                             f"to fit the model's context of {self.context_length} tokens", row=row.index)
+                             f"to fit the model's context of {self.context_length} tokens", row=row.index, context=True)
         width = max(len(r.ids) for r in rows)
         capacity = width + max(r.max_new for r in rows) - 1
+        if isinstance(self.fast, CompiledDecoder):
+            capacity = bucketed(capacity)  # the compiled step is specialized per bucket
         cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device, kv_heads=self.model.kv_heads)
         pad = [width - len(r.ids) for r in rows]
         if any(pad):
             cache.starts = torch.tensor(pad, device=self.device)
+        compile_seconds = yield from self._warm(cache)
+        start += compile_seconds
+        for row in rows:
+            row.compile_seconds = compile_seconds
         tokens = torch.tensor([[0] * p + r.ids for p, r in zip(pad, rows)], device=self.device)
         total = sum(len(r.ids) for r in rows)
         yield PrefillStart(len(rows), total, 0, self.cache_stats(cache))
@@ -367,6 +369,28 @@ class Engine:
         yield from self._decode(rows, cache, sampler, logits, start, prefill_seconds, track=False, batch_tokens=total)
 
     # -- internals -----------------------------------------------------------------------
+    def _warm(self, cache: KVCache) -> Iterator[Notice]:
+        """Make the fast decode step ready for `cache` (compile it, record its GPU graph);
+        returns the seconds that took. If it cannot be built here (no compiler toolchain,
+        a device that refuses the graph) decoding goes on with the eager layers, and says so."""
+        if not (self.fast and self.fast.supports(cache)):
+            return 0.0
+        if not self.fast.is_warm(cache):
+            yield Notice(f"compiling the decode step for a {cache.capacity}-token cache "
+                         "(once per cache size; cached on disk by torch.compile)")
+        try:
+            return self.fast.warmup(cache)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path falls back
+            if not isinstance(self.fast, CompiledDecoder):
+                raise
+            self.fast, self.decode_path = None, "eager"
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            yield Notice(f"the compiled decode step is unavailable here ({type(e).__name__}: {reason}); "
+                         "decoding with the eager layers")
+            return 0.0
+
     def _truncate(self, ids: list[int], settings: GenerationSettings) -> tuple[list[int], int]:
         """With truncate="left", keep the end of a prompt too long for the context, leaving
         room for the new tokens (at most half the context): (ids, tokens dropped)."""

@@ -1,5 +1,6 @@
-"""The fast decode path: one new token of one sequence per step, each transformer block
-compiled with torch.compile (inductor).
+"""The compiled decode path: one new token per row per step, each transformer block
+compiled with torch.compile (inductor); on a GPU the whole step is also recorded once as
+a CUDA graph per cache (cudagraph.py) and replayed for every token.
 
 Why it is faster than the eager model on a CPU: decode is memory-bound, one read of every
 weight per token, and aten's matrix-vector product streams a weight at ~10 GB/s here,
@@ -7,13 +8,17 @@ a quarter of what the memory allows. Written as a blocked multiply-and-sum, indu
 turns each projection into one fused, vectorized reduction that streams the weight once
 at 2-3x that speed, and it fuses the norms, RoPE, the cache write and the attention
 softmax, so the ~40 small kernels per layer that cost Python dispatch time in eager mode
-become a handful.
+become a handful. On a GPU the projections stay cuBLAS matrix products; what the step
+loses there is launch time between small kernels, which fusing and the graph remove.
 
 Shapes are static: the cache is allocated in buckets of CAPACITY_BUCKET tokens, the
 attention reads the whole bucket under a mask (columns past the current position are
-masked), and the position is a tensor, so a whole generation reuses one compiled graph,
-and so do all layers (the block module is an argument, not a constant). A new bucket
-compiles once more; inductor's on-disk cache makes later processes start fast.
+masked), and the column is a tensor, so a whole generation reuses one compiled graph,
+and so do all layers (the block module is an argument, not a constant). On the CPU the
+second bucket compiles once more, with the capacity symbolic (inductor's on-disk cache
+makes later processes start fast); on a GPU the batch and capacity are symbolic from the
+start, so one compile serves every bucket and batch size > 1.
+The CPU step serves batch 1 (batches go to the native step); the GPU step any batch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 
 from . import kernels
 from .cache import KVCache
+from .cudagraph import CapturedSteps
+from .device import synchronize
 from .gpt2 import GPT2Model
 from .model import CausalLM
 
@@ -37,12 +44,14 @@ def bucketed(capacity: int) -> int:
 
 
 def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x [1, in] @ weight.T (+ bias), accumulated in float32, for compiled code only: the
-    native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else one
-    fused inductor reduction."""
+    """x [B, in] @ weight.T (+ bias), for compiled code only. On a GPU (or for several
+    rows) a plain linear (cuBLAS). On the CPU at batch 1, accumulated in float32: the native kernel where it was
+    built (kernels/gemv.c, AVX-512 BF16 dot products), else one fused inductor reduction."""
     w = linear.weight
+    if w.device.type != "cpu" or x.shape[0] != 1:
+        return torch.nn.functional.linear(x, w, linear.bias)
     out, inn = w.shape
-    if NATIVE and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+    if NATIVE and w.dtype in (torch.float32, torch.bfloat16):
         y = torch.ops.twice.gemv(x, w)
     elif out % GEMV_BLOCK:
         y = (w.float() * x.float()).sum(-1).view(1, out)
@@ -53,37 +62,37 @@ def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def _attention(attn, x, k_cache, v_cache, pos, cos, sin, mask):
-    """attn: CachedSelfAttention; x [1, hidden]; k/v_cache [kv_heads, S, D] (this layer,
-    this row, written in place at `pos`); mask [S] bool."""
+def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
+    """attn: CachedSelfAttention; x [B, hidden]; k/v_cache [B, kv_heads, S, D] (this layer,
+    written in place at `column` [1]); cos/sin [B, 1, 1, D]; mask [B, S] bool."""
+    b, d = x.shape[0], attn.head_dim
     q, k, v = gemv(x, attn.qkv_proj).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-    d = attn.head_dim
-    q, k, v = q.view(attn.heads, 1, d), k.view(attn.kv_heads, 1, d), v.view(attn.kv_heads, 1, d)
+    q, k, v = q.view(b, attn.heads, 1, d), k.view(b, attn.kv_heads, 1, d), v.view(b, attn.kv_heads, 1, d)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if cos is not None:
         half = d // 2
         q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-    k_cache.index_copy_(1, pos, k)
-    v_cache.index_copy_(1, pos, v)
-    # Query heads that share a KV head are grouped: [kv_heads, n_rep, D] against [kv_heads, S, D].
-    qg = q.view(attn.kv_heads, attn.heads // attn.kv_heads, d).float()
-    scores = (qg @ k_cache.float().transpose(1, 2)) * attn.scale
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    out = (probs @ v_cache.float()).to(x.dtype).view(1, attn.q_size)
+    k_cache.index_copy_(2, column, k)
+    v_cache.index_copy_(2, column, v)
+    # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, D] against [B, kv_heads, S, D].
+    qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, d).float()
+    scores = (qg @ k_cache.float().transpose(2, 3)) * attn.scale
+    probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf")), dim=-1)
+    out = (probs @ v_cache.float()).to(x.dtype).view(b, attn.q_size)
     return gemv(out, attn.o_proj)
 
 
-def _llama_block(block, x, k_cache, v_cache, pos, cos, sin, mask):
-    x = x + _attention(block.self_attn, block.input_layernorm(x), k_cache, v_cache, pos, cos, sin, mask)
+def _llama_block(block, x, k_cache, v_cache, column, cos, sin, mask):
+    x = x + _attention(block.self_attn, block.input_layernorm(x), k_cache, v_cache, column, cos, sin, mask)
     mlp = block.mlp
     gate, up = gemv(block.post_attention_layernorm(x), mlp.gate_up_proj).split(mlp.intermediate, dim=-1)
     return x + gemv(mlp.act(gate) * up, mlp.down_proj)
 
 
-def _gpt2_block(block, x, k_cache, v_cache, pos, cos, sin, mask):
-    x = x + _attention(block.attn, block.ln_1(x), k_cache, v_cache, pos, None, None, mask)
+def _gpt2_block(block, x, k_cache, v_cache, column, cos, sin, mask):
+    x = x + _attention(block.attn, block.ln_1(x), k_cache, v_cache, column, None, None, mask)
     mlp = block.mlp
     return x + gemv(mlp.act(gemv(block.ln_2(x), mlp.c_fc)), mlp.c_proj)
 
@@ -93,75 +102,112 @@ def _head(norm, head: torch.nn.Linear, x):
 
 
 class CompiledDecoder:
-    """Decode steps for batch-1 caches of `model`, compiled on first use."""
+    """Decode steps for the caches of `model` (batch 1 on the CPU, any batch on a GPU),
+    compiled on first use; on a GPU each cache's step is recorded as a CUDA graph."""
 
     def __init__(self, model: CausalLM):
         global NATIVE
         NATIVE = kernels.available()  # builds it once, before any graph is traced
         self.model = model
         self.gpt2 = isinstance(model, GPT2Model)
+        self.cpu = next(model.parameters()).device.type == "cpu"
         block_fn = _gpt2_block if self.gpt2 else _llama_block
-        self.block = torch.compile(block_fn, fullgraph=True, dynamic=False)
-        self.head = torch.compile(_head, fullgraph=True, dynamic=False)
+        # GPU: symbolic batch and capacity from the start, so that rows finishing (a smaller
+        # batch) or a new bucket never stall decoding with a compile (batch 1 gets its own).
+        # CPU: static for the first bucket (the reductions unroll), symbolic from the second
+        # on (torch.compile's automatic dynamic shapes), so a growing chat compiles twice.
+        dynamic = None if self.cpu else True
+        # Compiled code is cached per function, and every model family and decoder in the
+        # process adds entries to the same two functions' caches: allow more than the
+        # default 8 before torch refuses (with fullgraph=True, an error).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.block = torch.compile(block_fn, fullgraph=True, dynamic=dynamic)
+        self.head = torch.compile(_head, fullgraph=True, dynamic=dynamic)
         # The head reads the (possibly tied) output matrix through a Linear-shaped view.
         self.head_linear = torch.nn.Linear(1, 1, bias=False, device="meta")
         self.head_linear.weight = torch.nn.Parameter(model.lm_head_weight, requires_grad=False)
+        self.graphs = None if self.cpu else CapturedSteps(self.run)
         self.warm: set[tuple] = set()
         self.compile_seconds = 0.0
 
     def supports(self, cache: KVCache) -> bool:
-        return cache.batch == 1 and cache.capacity % CAPACITY_BUCKET == 0
+        return (cache.batch == 1 or not self.cpu) and cache.capacity % CAPACITY_BUCKET == 0
 
-    @staticmethod
-    def _key(cache: KVCache) -> tuple:
+    def _key(self, cache: KVCache) -> tuple:
+        if not self.cpu:
+            return (cache.batch == 1, cache.k.dtype)  # what a new compile follows there
         return (cache.capacity, cache.k.dtype, cache.starts is not None)
 
     def is_warm(self, cache: KVCache) -> bool:
+        """Compiled for this cache's shape (recording a GPU graph is quick, not a compile)."""
         return self._key(cache) in self.warm
 
     def warmup(self, cache: KVCache) -> float:
-        """Compile for this cache's shape (once per shape); returns the seconds it took.
-        Runs one step at the cache's last column, which no token occupies yet."""
+        """Compile for this cache's shape (once per shape) and, on a GPU, record its graph
+        (once per cache); returns the seconds it took. Runs steps at the cache's last
+        column, which no token occupies yet."""
         key = self._key(cache)
-        if key in self.warm:
+        if key in self.warm and (self.graphs is None or self.graphs.find(cache)):
             return 0.0
         t = time.perf_counter()
-        length = cache.length
-        cache.length = cache.capacity - 1
-        try:
-            self(torch.zeros(1, 1, dtype=torch.long, device=cache.k.device), cache)
-        finally:
-            cache.length = length
+        with torch.inference_mode():
+            tables = self._tables(cache)
+            if self.graphs is not None:
+                self.graphs.capture(cache, tables)
+            else:
+                last = torch.full((1,), cache.capacity - 1, dtype=torch.long)
+                self.run(torch.zeros(1, 1, dtype=torch.long), last, cache.starts, cache)
+        synchronize(cache.k.device)
         self.warm.add(key)
         seconds = time.perf_counter() - t
         self.compile_seconds += seconds
         return seconds
 
+    def _tables(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
+        """RoPE tables long enough for the cache (the graph keeps the ones it reads)."""
+        if self.gpt2:
+            return ()
+        self.model.rope.ensure(cache.capacity)
+        return (self.model.rope.cos, self.model.rope.sin)
+
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [1, 1] at column cache.length → logits [1, V]; advances the cache."""
-        model, column = self.model, cache.length
-        device = cache.k.device
-        start = int(cache.starts[0]) if cache.starts is not None else 0
-        position = column - start
-        pos = torch.tensor([column], device=device)
-        cols = torch.arange(cache.capacity, device=device)
-        visible = (cols <= column) & (cols >= start)
+        """tokens [B, 1] at column cache.length → logits [B, V]; advances the cache."""
+        column = cache.length
+        if self.graphs is not None:
+            logits = self.graphs.capture(cache, self._tables(cache))(tokens, column)
+        else:
+            self._tables(cache)
+            logits = self.run(tokens, torch.tensor([column]), cache.starts, cache)
+        cache.length = column + 1
+        return logits
+
+    def run(self, tokens: torch.Tensor, column: torch.Tensor, starts: torch.Tensor | None,
+            cache: KVCache) -> torch.Tensor:
+        """One step, all on tensors (nothing on the host depends on the column, so that a
+        GPU can record it): tokens [B, 1] written at `column` [1] → logits [B, V]."""
+        model, b = self.model, tokens.shape[0]
+        cols = torch.arange(cache.capacity, device=column.device)
+        # Row r sees columns [starts[r], column]; its position is its distance from starts[r].
+        visible = (cols <= column).expand(b, -1)
+        positions = column.expand(b)
+        if starts is not None:
+            visible = visible & (cols.unsqueeze(0) >= starts.unsqueeze(1))
+            positions = positions - starts
         masks = {None: visible}
         for window in model.windows:
             if window is not None:
                 masks[window] = visible & (column - cols < window)
         if self.gpt2:
-            x = model.wte(tokens[0]) + model.wpe.weight[position]
+            x = model.wte(tokens[:, 0]) + model.wpe.weight.index_select(0, positions)
             cos = sin = None
             blocks, norm = model.h, model.ln_f
         else:
-            x = model.embed_tokens(tokens[0])
-            model.rope.ensure(position + 1)
-            cos, sin = model.rope.cos[position].view(1, 1, -1), model.rope.sin[position].view(1, 1, -1)
+            x = model.embed_tokens(tokens[:, 0])
+            cos = model.rope.cos.index_select(0, positions).view(b, 1, 1, -1)
+            sin = model.rope.sin.index_select(0, positions).view(b, 1, 1, -1)
             blocks, norm = model.layers, model.norm
         for i, block in enumerate(blocks):
             window = (block.attn if self.gpt2 else block.self_attn).window
-            x = self.block(block, x, cache.k[i, 0], cache.v[i, 0], pos, cos, sin, masks[window])
-        cache.length = column + 1
+            x = self.block(block, x, cache.k[i], cache.v[i], column, cos, sin, masks[window])
         return self.head(norm, self.head_linear, x)

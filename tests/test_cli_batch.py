@@ -331,3 +331,18 @@ def test_help_documents_the_batch_size_rule(capsys):
     assert r.code == 0
     text = " ".join(r.out.split())
     assert "25%" in text and "64" in text and "completion order" in text
+
+
+def test_compile_gives_the_same_lines(tmp_path, capsys, model_dirs):
+    """--compile: the same completions as the eager layers (GPT-2: no native step), rows
+    of different lengths finishing at different steps."""
+    gpt2 = str(model_dirs("gpt2"))
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": i, "prompt": p, "max_new_tokens": 4 + 3 * i} for i, p in enumerate(PROMPTS[:4])])
+    outs = []
+    for extra in ([], ["--compile"]):
+        dst = tmp_path / f"out{len(extra)}.jsonl"
+        r = run_inprocess(["batch", str(src), "-m", gpt2, "--raw", "-o", str(dst), *extra], capsys)
+        assert r.code == 0, r.err
+        outs.append({o["id"]: (o["completion"], o["generated_tokens"]) for o in read_lines(dst)})
+    assert outs[0] == outs[1] and len(outs[0]) == 4

@@ -294,3 +294,18 @@ def test_model_without_chat_template(model_dirs, tmp_path, capsys, monkeypatch):
     r = run_inprocess(["chat", "--model", str(folder)], capsys, b"hello\n", monkeypatch)
     assert r.code == 2
     assert "no chat template" in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_compile_gives_the_same_replies(model_dirs, capsys, monkeypatch):
+    """--compile (the torch.compile'd step; GPT-2 has no native one): the same greedy
+    replies over two turns as the eager layers, the second reusing the cache."""
+    folder = model_dirs("gpt2")
+    script = "Hello there\nHow are you?\n".encode()
+    plain = run_inprocess(["chat", "--model", str(folder), "-n", "8"], capsys, script, monkeypatch)
+    compiled = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--compile", "--timing"], capsys, script,
+                             monkeypatch)
+    assert plain.code == compiled.code == 0, compiled.err
+    assert compiled.out == plain.out and compiled.out.count("\n") == 2
+    assert re.search(r"│ step +│ +compiled │", compiled.err) and "Traceback" not in compiled.err
+    note = next(line for line in compiled.err.splitlines() if "compiling the decode step" in line)
+    assert "/drop" not in note  # the context hint belongs to notes about the context only

@@ -74,3 +74,130 @@ def test_compiled_decode_without_native_kernel_matches_eager(model_dirs, monkeyp
     a = list(Engine(m.model, m.tokenizer, m.eos_token_ids).generate(Request(ids=ids), settings))[-1].result
     b = list(Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False).generate(Request(ids=ids), settings))[-1].result
     assert b.token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_step_serves_a_left_padded_batch(model_dirs, family):
+    """The step as a GPU records it (several rows, each from its own start, the column a
+    tensor): logits equal the eager layers' on a left-padded batch, windows crossed."""
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    step = CompiledDecoder(m.model)
+    lengths = [5, 24, 17]
+    width = max(lengths)
+    rows = [[(7 * r + 3 * i) % 250 + 1 for i in range(n)] for r, n in enumerate(lengths)]
+    tokens = torch.tensor([[0] * (width - len(ids)) + ids for ids in rows])
+    caches = []
+    for _ in range(2):
+        cache = KVCache(m.config, len(rows), CAPACITY_BUCKET, torch.float32, "cpu")
+        cache.starts = torch.tensor([width - n for n in lengths])
+        caches.append(cache)
+    a, b = caches
+    with torch.inference_mode():
+        tok = m.model(tokens, a).argmax(-1, keepdim=True)
+        m.model(tokens, b)
+        for _ in range(6):
+            la, lb = m.model(tok, a), step(tok, b)
+            assert (la - lb).abs().max() < 1e-4
+            tok = la.argmax(-1, keepdim=True)
+    assert a.length == b.length == width + 6
+    for row, start in enumerate(a.starts.tolist()):
+        assert torch.allclose(a.k[:, row, :, start : a.length], b.k[:, row, :, start : b.length], atol=1e-5)
+
+
+def test_a_compiled_step_that_cannot_be_built_falls_back_to_eager(model_dirs, monkeypatch):
+    """No compiler toolchain, a device that refuses the graph: one notice, and the same
+    tokens from the eager layers."""
+    from twice.core.engine import Notice
+
+    def broken(self, cache):
+        raise RuntimeError("inductor needs a C++ compiler\nsecond line")
+
+    monkeypatch.setattr(CompiledDecoder, "warmup", broken)
+    m = load(str(model_dirs("gpt2")), device="cpu", dtype="float32")
+    settings = GenerationSettings(max_new_tokens=10, ignore_eos=True)
+    ids = list(range(5, 20))
+    a = list(Engine(m.model, m.tokenizer, m.eos_token_ids).generate(Request(ids=ids), settings))[-1].result
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
+    events = list(fast.generate(Request(ids=ids), settings))
+    notices = [e.message for e in events if isinstance(e, Notice)]
+    assert any("unavailable here (RuntimeError: inductor needs a C++ compiler)" in n for n in notices), notices
+    assert all("\n" not in n for n in notices)
+    assert events[-1].result.token_ids == a.token_ids and events[-1].result.decode_path == "eager"
+    assert fast.decode_path == "eager" and fast.fast is None
+
+
+def replaying_recorder(recorded: list):
+    """A stand-in for CUDA graph recording: warms up like it, then every replay reruns the
+    step into the same output tensor (what a graph's replay does to its outputs)."""
+    from twice.core.cudagraph import WARMUP_STEPS
+
+    def record(fn, device):
+        for _ in range(WARMUP_STEPS):
+            fn()
+        out = fn()
+        recorded.append(out)
+        return (lambda: out.copy_(fn())), out
+
+    return record
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "gpt2"])
+def test_recorded_steps_through_the_engine(model_dirs, family):
+    """The engine as it runs on a GPU (any batch through the compiled step, one recorded
+    step per cache, static inputs and outputs), with the recording simulated on the CPU:
+    the eager tokens at batch 1, on a second turn, and in a batch whose rows finish at
+    different steps (each smaller batch is a new cache, so a new recording); recordings of
+    caches that were dropped are forgotten."""
+    import gc
+
+    from twice.core.cudagraph import CapturedSteps
+
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    eager = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
+    recorded = []
+    fast.fast.cpu = False  # serve batches, as on a GPU
+    fast.fast.graphs = CapturedSteps(fast.fast.run, replaying_recorder(recorded))
+    settings = GenerationSettings(max_new_tokens=16, ignore_eos=True)
+    ids = list(range(7, 31))
+    a = list(eager.generate(Request(ids=ids), settings))[-1].result
+    b = list(fast.generate(Request(ids=ids), settings))[-1].result
+    assert b.token_ids == a.token_ids and b.decode_path == "compiled" and len(recorded) == 1
+    more = ids + b.token_ids + [9, 10, 11]
+    a2 = list(eager.generate(Request(ids=more), settings))[-1].result
+    b2 = list(fast.generate(Request(ids=more), settings))[-1].result
+    assert b2.token_ids == a2.token_ids and b2.reused_tokens > 0
+    prompts = [Request(ids=ids[:n]) for n in (5, 24, 11)]
+    per_row = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 4)]
+    want = {e.row: e.result.token_ids for e in eager.generate_batch(prompts, per_row) if hasattr(e, "result")}
+    before = len(recorded)
+    got = {e.row: e.result.token_ids for e in fast.generate_batch(prompts, per_row) if hasattr(e, "result")}
+    assert got == want
+    assert len(recorded) - before == 3  # batches of 3, 2 and 1 rows
+    gc.collect()
+    fast.fast.graphs.find(fast.cache)
+    # The 3- and 2-row caches were replaced as rows finished: their recordings are gone.
+    # Left: the session cache's, and the 1-row cache's (this stand-in's replay holds its
+    # cache; a CUDA graph holds only addresses).
+    assert len(fast.fast.graphs.steps) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", ["llama3", "gpt2"])
+def test_cuda_graph_decode_matches_eager(model_dirs, family):
+    """On a GPU: the recorded step gives the eager tokens at batch 1 and in a padded batch,
+    one graph per cache, replayed for every token."""
+    m = load(str(model_dirs(family)), device="cuda", dtype="float32")
+    settings = GenerationSettings(max_new_tokens=20, ignore_eos=True)
+    ids = list(range(7, 31))
+    eager = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True)
+    assert fast.decode_path == "compiled"
+    a = list(eager.generate(Request(ids=ids), settings))[-1].result
+    b = list(fast.generate(Request(ids=ids), settings))[-1].result
+    assert b.token_ids == a.token_ids and b.decode_path == "compiled"
+    assert len(fast.fast.graphs.steps) == 1
+    prompts = [Request(ids=ids[:n]) for n in (5, 24, 11)]
+    want = [e.result.token_ids for e in eager.generate_batch(prompts, [settings] * 3) if hasattr(e, "result")]
+    got = [e.result.token_ids for e in fast.generate_batch(prompts, [settings] * 3) if hasattr(e, "result")]
+    assert got == want
