@@ -77,10 +77,14 @@ def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
     k_cache.index_copy_(2, column, k)
     v_cache.index_copy_(2, column, v)
     # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, D] against [B, kv_heads, S, D].
-    qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, d).float()
-    scores = (qg @ k_cache.float().transpose(2, 3)) * attn.scale
+    # Written as products summed in float32 rather than matrix products, so that inductor
+    # reads each cached key and value once in its stored dtype, converting in registers,
+    # instead of first writing a float32 copy of the whole bucket (on a GPU at batch 32,
+    # as many bytes again as the weights).
+    qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, 1, d).float()
+    scores = (qg * k_cache.unsqueeze(2).float()).sum(-1) * attn.scale  # [B, kv_heads, n_rep, S]
     probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf")), dim=-1)
-    out = (probs @ v_cache.float()).to(x.dtype).view(b, attn.q_size)
+    out = (probs.unsqueeze(-1) * v_cache.unsqueeze(2).float()).sum(-2).to(x.dtype).view(b, attn.q_size)
     return gemv(out, attn.o_proj)
 
 
