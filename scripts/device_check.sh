@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU check as one call on a lent device machine (its image has torch, transformers and
+# the other dependencies; nothing can be downloaded there):
+#   run(command="bash scripts/device_check.sh", timeout_s=580)
+# 1. twice itself, without dependencies; 2. the CUDA tests (the recorded decode step gives
+# the eager tokens), where pytest is installed; 3. the H200 benchmark of issue 4
+# (Llama-3.2-1B shapes, bf16: decode at batch 1 and 32, twice eager / compiled + CUDA
+# graphs / transformers), its JSON and table written under $OUT (or a temp folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$(mktemp -d)}/gpu"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+pip install -q --no-deps --no-build-isolation -e . || exit 1
+if python -c "import pytest" 2>/dev/null; then
+    timeout 180 python -m pytest -q -x -p no:cacheprovider tests/test_fastpath.py -k "cuda or recorded or padded" \
+        2>&1 | tail -15
+else
+    echo "pytest is not installed here: the CUDA tests are skipped; the benchmark still runs the recorded step"
+fi
+timeout 360 python scripts/bench.py --models '' --shapes llama-3.2-1b --device cuda --dtypes bfloat16 \
+    --workloads decode,batch1,batch32 --out "$out"
+status=$?
+cat "$out"/*.md 2>/dev/null
+exit $status
