@@ -430,13 +430,19 @@ class Engine:
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler) -> torch.Tensor:
         with self._out_of_memory(cache, f"decoding {tokens.shape[0]} rows at {cache.length} tokens"):
-            if self.fast and self.fast.supports(cache) and (cache.length < cache.capacity):
+            if self._fast_ready(cache) and cache.length < cache.capacity:
                 logits = self.fast(tokens, cache)
             else:
                 logits = self.model(tokens, cache)
             chosen = sampler(logits)
             sampler.observe(chosen)
         return chosen
+
+    def _fast_ready(self, cache: KVCache) -> bool:
+        """The fast step serves this cache and was made ready for its shape at a request's
+        start. A shape that appears only mid-request (a batch down to its last row) decodes
+        with the eager layers rather than stalling the request to compile."""
+        return bool(self.fast and self.fast.supports(cache) and self.fast.is_warm(cache))
 
     @contextmanager
     def _out_of_memory(self, cache: KVCache, doing: str):
@@ -536,5 +542,5 @@ class Engine:
             dtype=DTYPE_NAMES.get(self.dtype, str(self.dtype)),
             prefill_batch_tokens=batch_tokens,
             compile_seconds=row.compile_seconds,
-            decode_path=self.decode_path if self.fast and self.fast.supports(cache) else "eager",
+            decode_path=self.decode_path if self._fast_ready(cache) else "eager",
         )

@@ -182,6 +182,21 @@ def test_recorded_steps_through_the_engine(model_dirs, family):
     assert len(fast.fast.graphs.steps) == 2
 
 
+def test_a_shape_met_mid_request_is_not_compiled_there(model_dirs):
+    """A batch (eager on the CPU) that finishes down to one row: that row's cache shape
+    was not made ready at the request's start, so it goes on eagerly instead of stalling
+    the request to compile; the tokens are the eager ones."""
+    m = load(str(model_dirs("gpt2")), device="cpu", dtype="float32")
+    eager = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
+    prompts = [Request(ids=list(range(7, 7 + n))) for n in (5, 12)]
+    per_row = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in (3, 9)]
+    want = {e.row: e.result.token_ids for e in eager.generate_batch(prompts, per_row) if hasattr(e, "result")}
+    got = {e.row: e.result for e in fast.generate_batch(prompts, per_row) if hasattr(e, "result")}
+    assert {row: r.token_ids for row, r in got.items()} == want
+    assert fast.fast.warm == set() and got[1].decode_path == "eager" and fast.fast.compile_seconds == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("family", ["llama3", "gpt2"])
 def test_cuda_graph_decode_matches_eager(model_dirs, family):
