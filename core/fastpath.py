@@ -44,9 +44,10 @@ def bucketed(capacity: int) -> int:
 
 
 def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x [B, in] @ weight.T (+ bias), for compiled code only. On a GPU (or for several
-    rows) a plain linear (cuBLAS). On the CPU at batch 1, accumulated in float32: the native kernel where it was
-    built (kernels/gemv.c, AVX-512 BF16 dot products), else one fused inductor reduction."""
+    """x [B, in] @ weight.T (+ bias), for compiled code only. On a GPU, or for several rows,
+    a plain matrix product (cuBLAS there). On the CPU at batch 1, accumulated in float32:
+    the native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else
+    one fused inductor reduction."""
     w = linear.weight
     if w.device.type != "cpu" or x.shape[0] != 1:
         return torch.nn.functional.linear(x, w, linear.bias)
