@@ -346,9 +346,7 @@ class Engine:
                 yield Notice(f"max new tokens lowered from {row.settings.max_new_tokens} to {row.max_new} "
                              f"to fit the model's context of {self.context_length} tokens", row=row.index, context=True)
         width = max(len(r.ids) for r in rows)
-        capacity = width + max(r.max_new for r in rows) - 1
-        if isinstance(self.fast, CompiledDecoder):
-            capacity = bucketed(capacity)  # the compiled step is specialized per bucket
+        capacity = self._capacity(width + max(r.max_new for r in rows) - 1, session=False)
         cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device, kv_heads=self.model.kv_heads)
         pad = [width - len(r.ids) for r in rows]
         if any(pad):
@@ -412,9 +410,14 @@ class Engine:
             )
         return min(settings.max_new_tokens, room)
 
-    def _capacity(self, needed: int) -> int:
+    def _capacity(self, needed: int, session: bool = True) -> int:
+        """Columns to allocate for `needed`: a whole bucket for the compiled step (it is
+        specialized per bucket); else a session cache (which may grow) rounds up, a batch
+        cache (used once) takes exactly what it needs."""
         if isinstance(self.fast, CompiledDecoder):
-            return bucketed(needed)  # the compiled step is specialized per bucket
+            return bucketed(needed)
+        if not session:
+            return needed
         rounded = -(-needed // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
         return max(needed, min(rounded, self.context_length))
 
