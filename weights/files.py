@@ -2,29 +2,72 @@
 
 from __future__ import annotations
 
-import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.config import ModelConfig, config_from_dict
 from twice.core.errors import ConfigError, TwiceError
+from twice.core.fields import describe_json_error, loads
 
 
-def read_json(path: Path, error: type[TwiceError] = ConfigError) -> dict:
+MAX_JSON_BYTES = 64 << 20  # a model folder's JSON files are kilobytes; tokenizer_config.json can be a few MB
+
+
+def open_regular(path: Path, error: type[TwiceError] = ConfigError):
+    """Open `path` for reading only if it is a regular file (following links, as model
+    folders of the Hub cache are links). A FIFO, a device or a socket is refused without
+    blocking: the file is opened non-blocking and checked with fstat before any read."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise error(f"{path}: file not found") from None
-    except UnicodeDecodeError:
-        raise error(f"{path}: not UTF-8 text") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, not a file") from None
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror or e})") from None
-    if not text.strip():
-        raise error(f"{path}: file is empty")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise error(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path}: not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_limited(path: Path, limit: int, error: type[TwiceError] = ConfigError) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (its size is checked first)."""
+    with open_regular(path, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{path}: {size:,} bytes, more than the {limit:,} twice reads from such a file")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise error(f"{path}: more than the {limit:,} bytes twice reads from such a file")
+    return data
+
+
+def parse_json(raw: bytes | str, source: str, error: type[TwiceError] = ConfigError, **kwargs):
+    """`fields.loads` with the error naming `source`."""
+    if not (raw.strip() if isinstance(raw, str) else raw.strip()):
+        raise error(f"{source}: file is empty")
+    try:
+        return loads(raw, **kwargs)
+    except ValueError as e:
+        raise error(f"{source}: {describe_json_error(e)}") from None
+
+
+def read_json(path: Path, error: type[TwiceError] = ConfigError, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a regular file: size, depth and number sizes bounded (see
+    core/fields.py), every failure one line naming the file."""
+    data = parse_json(read_limited(path, limit, error), str(path), error)
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
