@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import time
 
 import torch
 
@@ -34,67 +33,75 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on cuda; on the cpu bfloat16 where this CPU measurably multiplies it
-    faster than float32 (see cpu_auto_dtype), else float32."""
+    """auto = bfloat16 on cuda; on the cpu bfloat16 where this CPU has bf16 dot-product
+    instructions (see cpu_auto_dtype), else float32."""
+    return dtype_choice(name, device)[0]
+
+
+def dtype_choice(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype `name` means on `device`, and why, in words for the readout and the reports:
+    "auto: this CPU has AVX-512 BF16", "--dtype", ..."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype()
+        if device.type == "cuda":
+            return torch.bfloat16, "auto: bfloat16 on a GPU"
+        return cpu_auto_dtype_and_reason()
     if name not in DTYPES:
         raise UsageError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return DTYPES[name], "--dtype"
 
 
-CPU_AUTO_DTYPE_ENV = "TWICE_CPU_AUTO_DTYPE"  # float32 | bfloat16 | measure (the default)
-BF16_MIN_SPEEDUP = 1.3
-_cpu_auto: list[torch.dtype] = []
+def describe_dtype(name: str, device: torch.device) -> str:
+    """One phrase for people: "bfloat16 (auto: this CPU has AVX-512 BF16)"."""
+    dtype, why = dtype_choice(name, device)
+    return f"{DTYPE_NAMES[dtype]} ({why})"
+
+
+CPU_AUTO_DTYPE_ENV = "TWICE_CPU_AUTO_DTYPE"  # float32 | bfloat16 pins it; unset or empty: from the CPU's flags
+# /proc/cpuinfo flags of the instructions that make bfloat16 decode faster than float32 on
+# the CPU: bf16 dot products (AVX-512 BF16: the native kernels use them) and AMX's bf16 tiles
+# (oneDNN's matrix products use them; every AMX CPU also has AVX-512 BF16).
+BF16_FLAGS = {"avx512_bf16": "AVX-512 BF16", "amx_bf16": "AMX"}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags as Linux reports them (the first "flags" line of
+    /proc/cpuinfo); empty where there is none (another OS, a restricted sandbox).
+    (torch.backends.cpu.get_cpu_capability() names only the widest vector ISA torch
+    dispatches to, "AVX512" or "AVX2", which says nothing about bf16 instructions.)"""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def cpu_auto_dtype() -> torch.dtype:
-    """What `--dtype auto` means on the CPU, measured rather than assumed: decode is one
-    matrix-vector product per weight, so time that product for a 16 MiB float32 matrix and
-    the same matrix in bfloat16, with the kernel decode uses (the native one where it
-    builds). bfloat16 halves the bytes read, but only CPUs with bf16 dot products (AVX-512
-    BF16, AMX) turn that into speed; elsewhere converting costs more than it saves. It is
-    chosen when it is at least BF16_MIN_SPEEDUP× faster. Measured once per process (~0.1 s);
-    $TWICE_CPU_AUTO_DTYPE=float32 or bfloat16 pins it."""
-    pinned = os.environ.get(CPU_AUTO_DTYPE_ENV, "measure")
-    if pinned in ("float32", "bfloat16"):
-        return DTYPES[pinned]
-    if not _cpu_auto:
-        _cpu_auto.append(torch.bfloat16 if _bf16_speedup() >= BF16_MIN_SPEEDUP else torch.float32)
-    return _cpu_auto[0]
+    """What `--dtype auto` means on the CPU (see cpu_auto_dtype_and_reason)."""
+    return cpu_auto_dtype_and_reason()[0]
 
 
-def _bf16_speedup() -> float:
-    from . import kernels
-
-    out, n = 4096, 1024
-    g = torch.Generator().manual_seed(0)
-    w32 = torch.randn(out, n, generator=g)
-    x32 = torch.randn(1, n, generator=g)
-    w16, x16 = w32.bfloat16(), x32.bfloat16()
-    lib = kernels.library()
-    y = torch.empty(1, out)
-
-    def product(x, w):
-        if lib is None:
-            return torch.nn.functional.linear(x, w)
-        # As the native decode step calls it: straight through ctypes (the torch op's first
-        # call alone costs a second of dispatcher setup).
-        lib.gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, 1, int(w.dtype == torch.bfloat16),
-                 torch.get_num_threads())
-
-    def best(x, w) -> float:
-        product(x, w)  # warm-up: first touch, thread pool
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(4):
-                product(x, w)
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    with torch.inference_mode():
-        return best(x32, w32) / best(x16, w16)
+def cpu_auto_dtype_and_reason() -> tuple[torch.dtype, str]:
+    """What `--dtype auto` means on the CPU, decided by what the CPU is, never by a timing
+    (a timing on a busy machine picks one dtype one run and the other the next, and the same
+    --seed then gives different text): bfloat16 halves the bytes decode reads per token, but
+    only CPUs with bf16 dot products (AVX-512 BF16, AMX) turn that into speed; elsewhere
+    converting costs more than it saves, so float32. $TWICE_CPU_AUTO_DTYPE=float32 or
+    bfloat16 pins it; any other non-empty value is an error."""
+    pinned = os.environ.get(CPU_AUTO_DTYPE_ENV, "")
+    if pinned.strip():
+        if pinned not in ("float32", "bfloat16"):
+            shown = pinned if pinned.isprintable() and len(pinned) <= 40 else repr(pinned[:40])
+            raise UsageError(f"{CPU_AUTO_DTYPE_ENV}={shown} is not a dtype --dtype auto can mean on the CPU; "
+                             "set it to float32 or bfloat16, or unset it to decide from the CPU's flags")
+        return DTYPES[pinned], f"auto: {CPU_AUTO_DTYPE_ENV}={pinned}"
+    flags = cpu_flags()
+    has = [label for flag, label in BF16_FLAGS.items() if flag in flags]
+    if has:
+        return torch.bfloat16, f"auto: this CPU has {' and '.join(has)}"
+    return torch.float32, "auto: this CPU has no AVX-512 BF16 or AMX"
 
 
 def set_threads(n: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from twice.core.config import ModelConfig
-from twice.core.device import DTYPE_NAMES, resolve_device, resolve_dtype
+from twice.core.device import DTYPE_NAMES, dtype_choice, resolve_device
 from twice.core.errors import DeviceError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
@@ -33,6 +33,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights_seconds: float
     tokenizer_seconds: float
+    dtype_reason: str = ""  # why this dtype: "--dtype", "auto: this CPU has AVX-512 BF16", ...
 
     @property
     def load_seconds(self) -> float:
@@ -56,7 +57,7 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     say = progress or (lambda message: None)
     t0 = time.perf_counter()
     dev = resolve_device(device)  # a bad --device/--dtype fails before any download
-    dt = resolve_dtype(dtype, dev)
+    dt, dtype_reason = dtype_choice(dtype, dev)
     folder = resolve(ref, revision, progress)
     say("reading config")
     config = read_config(folder)
@@ -78,4 +79,4 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     t3 = time.perf_counter()
     name = ref or folder.name
     return LoadedModel(name, folder, config, model, tokenizer, generation, dev, dt,
-                       weights_seconds=(t1 - t0) + (t3 - t2), tokenizer_seconds=t2 - t1)
+                       weights_seconds=(t1 - t0) + (t3 - t2), tokenizer_seconds=t2 - t1, dtype_reason=dtype_reason)
