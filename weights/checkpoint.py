@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,10 @@ import torch
 
 from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TwiceError, WeightsError
+from twice.core.fields import loads
 from twice.core.model import CausalLM, Source, Target
+
+from .files import MAX_JSON_BYTES, open_regular, read_limited
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -74,10 +78,12 @@ def checkpoint_files(folder: Path, config: ModelConfig | None = None) -> list[Pa
 
 
 def _list_files(folder: Path) -> list[Path]:
+    # exists(), not is_file(): a FIFO or device in a checkpoint's place is refused by
+    # open_regular (never opened blocking), rather than silently skipped.
     index = folder / INDEX_NAME
-    if index.is_file():
+    if index.exists():
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
+            data = loads(read_limited(index, MAX_JSON_BYTES, WeightsError))  # bounded: depth, numbers, size
             weight_map = data["weight_map"]
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError
@@ -91,12 +97,12 @@ def _list_files(folder: Path) -> list[Path]:
             if not isinstance(name, str) or "/" in name or name.startswith("."):
                 raise WeightsError(f"{index}: invalid shard name {name!r}")
             path = folder / name
-            if not path.is_file():
+            if not path.exists():
                 raise WeightsError(f"{index}: names shard {name} which is missing from {folder}")
             files.append(path)
         return files
     single = folder / SINGLE_NAME
-    if single.is_file():
+    if single.exists():
         return [single]
     others = sorted(folder.glob("*.safetensors"))
     if others:
@@ -111,13 +117,21 @@ def _list_files(folder: Path) -> list[Path]:
 
 
 def validate_header(path: Path) -> dict:
-    """Check a safetensors header against the file size before any tensor is read, so a
-    truncated or corrupt file is reported as such (and names the file). Every entry must
-    have a known dtype, a shape of non-negative integers and integer data offsets that
-    match the shape and lie inside the file; a name may appear only once."""
+    """The header of a safetensors file, checked against the file before any tensor is read."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """(header, where the data starts), checked as the safetensors library checks a file
+    (safetensors/src/tensor.rs: read_metadata and Metadata::validate), so that a truncated or
+    corrupt file is reported as such, naming the file: every entry has a known dtype, a shape
+    of non-negative integers and integer data offsets that match the shape; a name appears
+    only once; `__metadata__` maps names to strings; and the tensors, sorted by offset, tile
+    the data section exactly: the first starts at 0, each starts where the one before ended
+    (no overlaps, no gaps) and the last ends at the end of the file."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, WeightsError) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -138,8 +152,11 @@ def validate_header(path: Path) -> dict:
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise WeightsError(f"{path}: corrupt safetensors header (not a JSON object)") from None
     data_size = size - 8 - n
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise WeightsError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)")
             continue
         try:
             dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
@@ -161,7 +178,25 @@ def validate_header(path: Path) -> dict:
             raise WeightsError(
                 f"{path}: truncated: tensor {name!r} ends at byte {end} of the data but the file holds {data_size}"
             )
-    return header
+        spans.append((start, end, name))
+    _check_tiling(path, sorted(spans), data_size)
+    return header, 8 + n
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors' byte ranges, sorted by start, must cover the data section exactly once."""
+    expected, previous = 0, None
+    for start, end, name in spans:
+        if start < expected:
+            raise WeightsError(f"{path}: corrupt safetensors file: tensor {name!r} (bytes {start}-{end} of the data) "
+                               f"overlaps tensor {previous[2]!r} (bytes {previous[0]}-{previous[1]})")
+        if start > expected:
+            raise WeightsError(f"{path}: corrupt safetensors file: bytes {expected}-{start} of the data, before "
+                               f"tensor {name!r}, belong to no tensor")
+        expected, previous = end, (start, end, name)
+    if expected != data_size:
+        raise WeightsError(f"{path}: corrupt safetensors file: its last {data_size - expected} bytes belong to no "
+                           f"tensor (the tensors end at byte {expected} of the {data_size} bytes of data)")
 
 
 class _DuplicateName(ValueError):
@@ -186,10 +221,7 @@ class TensorFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.header = validate_header(path)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-        self.data_start = 8 + n
+        self.header, self.data_start = _read_header(path)
         self.names = [k for k in self.header if k != "__metadata__"]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -215,7 +247,7 @@ class TensorFile:
         out = bytearray(shape[0] * width)
         view = memoryview(out)
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, WeightsError) as f:
                 for r in range(shape[0]):
                     f.seek(self.data_start + start + r * row_bytes + source.start * element)
                     if f.readinto(view[r * width : (r + 1) * width]) != width:
@@ -229,7 +261,7 @@ class TensorFile:
                    scratch: Scratch | None) -> torch.Tensor:
         buf = scratch.take(length) if scratch is not None else bytearray(length)
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, WeightsError) as f:
                 f.seek(self.data_start + offset)
                 got = f.readinto(memoryview(buf)[:length])
         except OSError as e:
@@ -281,7 +313,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     files = files if files is not None else checkpoint_files(folder)
     targets = model.targets()
     params = dict(model.named_parameters(remove_duplicate=False))
-    filled: set[tuple[str, int]] = set()
+    filled: dict[tuple[str, int], tuple[str, TensorFile]] = {}  # what filled each place, and from where
     unexpected: list[str] = []
     scratch = Scratch()
     with torch.inference_mode():
@@ -291,8 +323,11 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
                 if not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
+            if target.key in filled:  # a second tensor for the same place: it must say the same
+                _check_same(model, filled[target.key], (name, tf), target, params[target.param], scratch)
+                continue
             _copy(tf, name, target, params[target.param], scratch)
-            filled.add(target.key)
+            filled[target.key] = (name, tf)
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else "")
         raise WeightsError(f"{folder}: tensors not used by a {model.config.model_type} model: {shown}")
@@ -302,7 +337,34 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
         raise WeightsError(f"{folder}: checkpoint is missing tensors: {shown}")
 
 
-def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> None:
+def _check_same(model: CausalLM, first: tuple[str, TensorFile], second: tuple[str, TensorFile], target: Target,
+                param: torch.Tensor, scratch: Scratch) -> None:
+    """Two checkpoint tensors map to one parameter (a tied head stored under both names,
+    GPT-2's names with and without `transformer.`): they are accepted only when they hold the
+    same values, so that the result can never depend on which one the header lists first.
+    (transformers 5 warns and unties the head when they differ; twice refuses instead, since
+    the config then does not describe the checkpoint.)"""
+    (name_a, tf_a), (name_b, tf_b) = first, second
+    b = _checked_read(tf_b, name_b, target, param, scratch)
+    a = tf_a.read(name_a, target.source)  # a fresh buffer: the scratch one holds b
+    if a.dtype != b.dtype:
+        common = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(common), b.to(common)
+    if torch.equal(a, b):
+        return
+    where = f"{tf_a.path}: tensors" if tf_a.path == tf_b.path else f"{tf_a.path.parent}: tensors"
+    names = (f"{name_a!r} and {name_b!r}" if tf_a.path == tf_b.path
+             else f"{name_a!r} (in {tf_a.path.name}) and {name_b!r} (in {tf_b.path.name})")
+    tied = model.config.tie_word_embeddings and "lm_head.weight" in (name_a, name_b)
+    why = ("config.json ties the output head to the embeddings (tie_word_embeddings), so the checkpoint should "
+           "hold one of them, or the same values in both; if its head is its own, set tie_word_embeddings to false"
+           if tied else "remove one of them")
+    raise WeightsError(f"{where} {names} both fill {target.param} but hold different values; {why}")
+
+
+def _checked_read(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """The tensor `name` as stored (this rank's slice of it), after checking its shape
+    against the place it fills."""
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
     expected = list(dest.shape[::-1]) if target.transpose else list(dest.shape)
     if target.source is not None:  # this rank keeps a slice: the file holds the whole tensor
@@ -310,7 +372,12 @@ def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratc
     shape = tf.shape(name)
     if shape != tuple(expected):
         raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {expected}")
-    tensor = tf.read(name, target.source, scratch)
+    return tf.read(name, target.source, scratch)
+
+
+def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> None:
+    dest = param if target.rows is None else param[target.row : target.row + target.rows]
+    tensor = _checked_read(tf, name, target, param, scratch)
     if not all_finite(tensor):
         raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
     dest.copy_(tensor.t() if target.transpose else tensor)

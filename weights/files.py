@@ -75,7 +75,7 @@ def read_json(path: Path, error: type[TwiceError] = ConfigError, limit: int = MA
 
 def read_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
-    if not path.is_file():
+    if not path.exists():  # a FIFO or device is refused by read_json, never opened blocking
         raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
     return config_from_dict(read_json(path), source=str(path))
 
@@ -90,7 +90,7 @@ class GenerationDefaults:
 
 def read_generation_config(folder: Path, config: ModelConfig) -> GenerationDefaults:
     path = folder / "generation_config.json"
-    if not path.is_file():
+    if not path.exists():
         return GenerationDefaults(eos_token_ids=config.eos_token_id)
     data = read_json(path)
     eos = data.get("eos_token_id", None)

@@ -3,7 +3,7 @@
 A GGUF holds everything a model folder does, in llama.cpp's own spelling: the config as
 `llama.*` metadata keys, the tokenizer as `tokenizer.ggml.*` arrays, and the weights as
 (often quantized) tensors named `blk.N.attn_q.weight` and so on. `convert_gguf` reads them
-with the `gguf` package and writes
+(gguf_file.py checks the header; the `gguf` package dequantizes) and writes
 
     config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 
@@ -17,7 +17,8 @@ Three things llama.cpp changed on the way in are undone here:
 
 Only what can be converted exactly is accepted: the llama architecture with a byte-level
 BPE ("gpt2") tokenizer. Anything else is refused with a one-line `UnsupportedModelError`;
-a file that is not a GGUF, is cut short or lacks a required key is a `WeightsError`. The
+a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
+or lacks a required key is a `WeightsError`. The
 folder appears at `dest` only once it is complete (it is written beside it and renamed).
 """
 
@@ -42,14 +43,13 @@ import torch
 
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
+from .gguf_file import GGUF_MAGIC, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_tokenizer import build_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-GGUF_MAGIC = b"GGUF"
 
 Progress = Callable[[str], None]
 
@@ -102,23 +102,11 @@ def convert_gguf(
 
 
 def _open_reader(src: Path):
-    """A GGUFReader over `src`, after checking the magic ourselves: the reader's own errors for
-    a foreign or truncated file are raw ValueErrors and IndexErrors that name nothing."""
-    import gguf  # imported here so that `twice` starts without it
-
-    try:
-        with open(src, "rb") as f:
-            magic = f.read(4)
-    except FileNotFoundError:
-        raise WeightsError(f"{src}: file not found") from None
-    except IsADirectoryError:
-        raise WeightsError(f"{src}: is a folder, not a GGUF file") from None
-    except OSError as e:
-        raise WeightsError(f"{src}: cannot read ({e.strerror or e})") from None
-    if magic != GGUF_MAGIC:
-        raise WeightsError(f"{src}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    """The header of `src` (metadata, tensor table), checked as llama.cpp checks it before
+    any tensor data is read (gguf_file.py): a foreign, truncated or corrupt file, or one
+    whose tensors overlap, leave gaps or lie outside the file, is one WeightsError."""
     with _reading(src):
-        return gguf.GGUFReader(src, "r")
+        return read_gguf(src)
 
 
 @contextmanager
@@ -138,7 +126,7 @@ def _reading(src: Path) -> Iterator[None]:
 
 def _read_metadata(reader) -> dict[str, Any]:
     """All metadata as plain Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+    return reader.metadata
 
 
 def _find_tensor(reader, name: str):
@@ -322,7 +310,7 @@ class _TensorJob:
     """One tensor to write: where it comes from, its HF name and shape, and the head count
     its rows were permuted with (0 when they were not)."""
 
-    tensor: Any  # gguf.ReaderTensor
+    tensor: Any  # gguf_file.GGUFTensor
     name: str
     shape: tuple[int, ...]
     unpermute_heads: int = 0

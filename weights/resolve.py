@@ -46,6 +46,8 @@ def resolve(ref: str | None, revision: str | None = None, progress=None) -> Path
         if path.suffix.lower() == ".gguf":
             return converted_gguf(path, progress)
         raise ModelNotFoundError(f"{ref}: is a file; give the model's folder (config.json, tokenizer, safetensors)")
+    if path.exists():  # stat only: a FIFO, device or socket is never opened (opening a FIFO blocks)
+        raise ModelNotFoundError(f"{ref}: not a regular file or a folder; give a model folder or a .gguf file")
     if _HUB_ID.match(ref) and not ref.startswith((".", "/", "~")):
         return hub_snapshot(ref, revision)
     raise ModelNotFoundError(f"{ref}: no such folder, and not a Hugging Face Hub id (org/name)")

@@ -13,7 +13,7 @@ from tokenizers.decoders import DecodeStream
 from twice.core.errors import TokenizerError
 
 from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate
-from .files import read_json
+from .files import MAX_JSON_BYTES, read_json, read_limited
 
 
 def _token_text(value) -> str | None:
@@ -57,14 +57,15 @@ class Tokenizer:
     def __init__(self, folder: Path):
         self.folder = folder
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():  # a FIFO or device is refused by read_limited, never opened blocking
             raise TokenizerError(f"{folder}: no tokenizer.json (twice reads fast-tokenizer files only)")
+        raw = read_limited(path, MAX_JSON_BYTES, TokenizerError)
         try:
-            self.hf = HFTokenizer.from_file(str(path))
+            self.hf = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise TokenizerError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0][:200]})") from None
         config_path = folder / "tokenizer_config.json"
-        self.config = read_json(config_path, TokenizerError) if config_path.is_file() else {}
+        self.config = read_json(config_path, TokenizerError) if config_path.exists() else {}
         self.chat_template = self._find_chat_template()
         self.special_tokens = {
             name: text
@@ -96,10 +97,10 @@ class Tokenizer:
     # -- chat template -----------------------------------------------------------------
     def _find_chat_template(self) -> str | None:
         jinja_file = self.folder / "chat_template.jinja"
-        if jinja_file.is_file():
+        if jinja_file.exists():
             try:
-                return jinja_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
+                return read_limited(jinja_file, MAX_JSON_BYTES, TokenizerError).decode("utf-8")
+            except UnicodeDecodeError as e:
                 raise TokenizerError(f"{jinja_file}: cannot read ({e})") from None
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
@@ -113,7 +114,7 @@ class Tokenizer:
     def chat_template_source(self) -> Path:
         """The file the chat template came from (for messages)."""
         jinja_file = self.folder / "chat_template.jinja"
-        return jinja_file if jinja_file.is_file() else self.folder / "tokenizer_config.json"
+        return jinja_file if jinja_file.exists() else self.folder / "tokenizer_config.json"
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
