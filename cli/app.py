@@ -33,13 +33,31 @@ app = typer.Typer(
     help="Generate text with transformer language models, and see where the time and memory go.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # Typer's own --install-completion / --show-completion
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _version(value: bool) -> None:
+    """--version: `twice X.Y.Z`, from the installed package's metadata (no torch import)."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("twice")
+        except PackageNotFoundError:  # running from a checkout that is not installed
+            number = "unknown (not installed)"
+        typer.echo(f"twice {number}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _global(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+def _global(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
+            version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                         help="Print twice's version and exit.")):
+    from .console import COLOR
+
+    COLOR["on"] = True  # --no-color lasts one command (an in-process caller may run several)
     if debug:
         DEBUG["on"] = True
 
@@ -79,7 +97,7 @@ def main() -> None:
     """The console entry point: see errors.py for the exit codes and signals."""
     try:
         with signals_installed():
-            run_guarded(lambda: app())
+            run_guarded(lambda: app(prog_name="twice"))  # the name completion scripts and usage lines use
     finally:
         # The interpreter's final garbage collections walk every object torch created
         # (~0.3 s after each run, and after a Ctrl-C); freezing them skips those walks.

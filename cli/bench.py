@@ -12,6 +12,7 @@ from . import options as o
 from .app import app
 from .console import err_console, wide_console
 
+TABLE_WIDTH = 180  # off a terminal (a file, a pipe): the table at this width; on one, the terminal's
 WorkloadOpt = Annotated[Optional[list[str]], typer.Option(
     "--workload", "-w", help="decode (P=32 G=256), prefill (P=2048 G=16), naive (P=1000 G=100), batch1/batch4/batch16/batch32 "
                              "(P=32 G=64). Repeatable. Default: decode, prefill, batch1, batch4.")]
@@ -25,7 +26,7 @@ def bench(
                                                       "llama-3.2-1b.")] = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for every engine (default: torch's).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for every engine (at least 1; default: torch's).")] = None,
     workload: WorkloadOpt = None,
     engine: Annotated[Optional[list[str]], typer.Option(
         "--engine", "-e", help="naive, transformers, transformers-static, twice (eager), twice-native (one C call per token, CPU), twice-compiled (repeatable). "
@@ -41,17 +42,12 @@ def bench(
     the roofline for batches)."""
     from twice.core import benchmark as b
 
-    from .bench_render import bandwidth_line, peak_line, results_table, suite_json
+    from rich.text import Text
+
+    from .bench_render import CAPTION, bandwidth_line, peak_line, results_tables, suite_json
 
     err = err_console()
-    if threads is not None:
-        if threads < 1:
-            from twice.core.errors import PromptError
-
-            raise PromptError(f"--threads must be at least 1, got {threads}")
-        from twice.core.device import set_threads
-
-        set_threads(threads)
+    o.apply_threads(threads)
     names = workload or ["decode", "prefill", "batch1", "batch4"]
     unknown = [n for n in names if n not in b.WORKLOADS]
     bad_engines = [e for e in (engine or []) if e not in b.ENGINES]
@@ -64,17 +60,18 @@ def bench(
     workloads = [b.scaled(b.WORKLOADS[n], 8) if quick else b.WORKLOADS[n] for n in names]
     say = lambda message: err.print(f"[dim]{message}[/dim]")  # noqa: E731
     if shape is not None:
-        from twice.core.device import resolve_device, resolve_dtype
+        from twice.core.device import dtype_choice, resolve_device
 
         dev = resolve_device(device)
-        net = b.random_model(b.shape_config(shape), dev, resolve_dtype(dtype, dev))
+        dt, why = dtype_choice(dtype, dev)
+        net = b.random_model(b.shape_config(shape), dev, dt)
         tokenizer, name = b.NullTokenizer(), f"{shape} shapes, random weights"
     else:
         from twice.weights.load import load
 
         loaded = load(model, None, device, dtype, progress=say)
-        net, tokenizer, name = loaded.model, loaded.tokenizer, loaded.name
-    setup = b.describe_setup(net) | {"model": name}
+        net, tokenizer, name, why = loaded.model, loaded.tokenizer, loaded.name, loaded.dtype_reason
+    setup = b.describe_setup(net) | {"model": name, "dtype_reason": why}
     say(f"measuring memory bandwidth on {setup['device']}")
     before = b.measure_bandwidth(setup["device"])
     results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say)
@@ -82,12 +79,17 @@ def bench(
     bandwidth = b.best_bandwidth(before, b.measure_bandwidth(setup["device"]))
     say("measuring the multiply-add peak")
     peak = b.measure_compute_peak(net)
-    wide_console(stderr=False, min_width=180).print(results_table(results, setup, bandwidth, peak))
+    out = wide_console(stderr=False, min_width=TABLE_WIDTH)
+    for table in results_tables(results, setup, bandwidth, peak, width=out.width):
+        out.print(table)
+    out.print(Text(CAPTION, style="dim"))
     err.print(bandwidth_line(bandwidth))
     if peak is not None:
         err.print(peak_line(peak))
     if json_out is not None:
-        json_out.write_text(json.dumps(suite_json(results, setup, bandwidth, peak), indent=1))
+        from twice.weights.safe_write import write_atomic  # whole or not at all, never through a link
+
+        write_atomic(json_out, json.dumps(suite_json(results, setup, bandwidth, peak), indent=1))
         err.print(f"wrote {json_out}")
     if plot is not None:
         from .bench_render import latency_plot

@@ -32,28 +32,85 @@ def _fraction_of_peak(r, peak: dict | None) -> float | None:
     return r.macs_per_step() * (r.decode_tokens_per_s / r.batch) / peak["macs_per_s"]
 
 
-def results_table(results, setup: dict, bandwidth: dict, peak: dict | None = None) -> Table:
-    t = Table(title=f"twice bench · {setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads",
-              title_justify="left", header_style="bold")
-    for col in ("workload", "engine", "P", "G", "B", "TTFT", "prefill tok/s", "decode tok/s", "p50", "p99",
-                "peak +mem", "decode vs hf", "prefill vs hf", "% mem bw", "% MAC peak"):
-        t.add_column(col, justify="left" if col in ("workload", "engine") else "right")
+KEY_COLUMNS = 2  # workload and engine: repeated in every part when the table is split
+
+
+def _columns(results, bandwidth: dict, peak: dict | None, two_line: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(header, justify, one cell per result) for every column of the results table;
+    `two_line`: headers in two lines where a header is wider than its numbers."""
+    rows = []
     for w, r in results:
         ref = _reference(results, w)
         frac = _fraction_of_bandwidth(r, bandwidth)
-        t.add_row(w.name, r.engine, str(r.prompt_tokens), str(r.new_tokens), str(r.batch), seconds(r.ttft_s),
-                  f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.1f}", seconds(r.step_p50_s),
-                  seconds(r.step_p99_s), human_bytes(r.peak_memory_bytes),
-                  ratio(r.decode_tokens_per_s, ref.decode_tokens_per_s if ref else None),
-                  ratio(r.prefill_tokens_per_s, ref.prefill_tokens_per_s if ref else None),
-                  f"{100 * frac:.0f}%" if frac else "—",
-                  f"{100 * compute:.0f}%" if (compute := _fraction_of_peak(r, peak)) else "—")
-    t.caption = ("TTFT: start → first token. decode tok/s: (tokens − 1) ÷ (last − first token), summed over the batch. "
-                 "peak +mem: memory added during the run on top of the loaded weights. % mem bw: (weights + mean KV "
-                 "read per step) × steps/s ÷ the measured read bandwidth (decode's limit at batch 1). % MAC peak: multiply-adds "
-                 "per step (matrices + attention at the mean position, whole batch) × steps/s ÷ the measured "
-                 "multiply-add peak (the limit as batches grow).")
+        compute = _fraction_of_peak(r, peak)
+        rows.append((w.name, r.engine, str(r.prompt_tokens), str(r.new_tokens), str(r.batch), seconds(r.ttft_s),
+                     f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.1f}", seconds(r.step_p50_s),
+                     seconds(r.step_p99_s), human_bytes(r.peak_memory_bytes),
+                     ratio(r.decode_tokens_per_s, ref.decode_tokens_per_s if ref else None),
+                     ratio(r.prefill_tokens_per_s, ref.prefill_tokens_per_s if ref else None),
+                     f"{100 * frac:.0f}%" if frac else "—", f"{100 * compute:.0f}%" if compute else "—"))
+    headers = ("workload", "engine", "P", "G", "B", "TTFT", "prefill tok/s", "decode tok/s", "p50", "p99",
+               "peak +mem", "decode vs hf", "prefill vs hf", "% mem bw", "% MAC peak")
+    if two_line:  # a column is then as narrow as its widest number
+        headers = ("workload", "engine", "P", "G", "B", "TTFT", "prefill\ntok/s", "decode\ntok/s", "p50", "p99",
+                   "peak\n+mem", "decode\nvs hf", "prefill\nvs hf", "% mem\nbw", "% MAC\npeak")
+    return [(h, "left" if i < KEY_COLUMNS else "right", [row[i] for row in rows]) for i, h in enumerate(headers)]
+
+
+def _table(columns, title: str | None, caption: str | None) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold", caption=caption, caption_justify="left")
+    for header, justify, _ in columns:
+        t.add_column(header, justify=justify, no_wrap=True)  # numbers are never wrapped or cut
+    for cells in zip(*(values for _, _, values in columns)):
+        t.add_row(*cells)
     return t
+
+
+CAPTION = ("TTFT: start → first token. decode tok/s: (tokens − 1) ÷ (last − first token), summed over the batch. "
+           "peak +mem: memory added during the run on top of the loaded weights. % mem bw: (weights + mean KV "
+           "read per step) × steps/s ÷ the measured read bandwidth (decode's limit at batch 1). % MAC peak: "
+           "multiply-adds per step (matrices + attention at the mean position, whole batch) × steps/s ÷ the "
+           "measured multiply-add peak (the limit as batches grow).")
+
+
+def _title(setup: dict) -> str:
+    why = setup.get("dtype_reason")
+    return (f"twice bench · {setup['model']} · {setup['device']} {setup['dtype']}" + (f" ({why})" if why else "")
+            + f" · {setup['threads']} threads")
+
+
+def results_table(results, setup: dict, bandwidth: dict, peak: dict | None = None, caption: bool = True) -> Table:
+    """Every run in one table, one-line headers (about 175 columns)."""
+    return _table(_columns(results, bandwidth, peak), _title(setup), CAPTION if caption else None)
+
+
+def results_tables(results, setup: dict, bandwidth: dict, peak: dict | None = None,
+                   width: int | None = None) -> list[Table]:
+    """The results table fitted to `width` columns (CAPTION, the definitions, is left to the
+    caller to print at the full width): whole when it fits (with one-line headers, else
+    two-line ones, about 145 columns), else cut into parts that each fit, every part led by
+    the workload and engine columns, so that no number is ever squeezed, wrapped or cut to
+    "1,…" (at 80 columns: three parts)."""
+    if width is None or _width(results_table(results, setup, bandwidth, peak, caption=False)) <= width:
+        return [results_table(results, setup, bandwidth, peak, caption=False)]
+    columns = _columns(results, bandwidth, peak, two_line=True)
+    if _width(_table(columns, None, None)) <= width:
+        return [_table(columns, _title(setup), None)]
+    key, rest = columns[:KEY_COLUMNS], columns[KEY_COLUMNS:]
+    parts: list[list] = [[]]
+    for column in rest:
+        if parts[-1] and _width(_table(key + parts[-1] + [column], None, None)) > width:
+            parts.append([])
+        parts[-1].append(column)
+    tables = [_table(key + part, None, None) for part in parts]
+    tables[0].title = _title(setup)
+    return tables
+
+
+def _width(table: Table) -> int:
+    from rich.console import Console
+
+    return Console(width=10_000).measure(table).maximum
 
 
 def bandwidth_line(bandwidth: dict) -> str:
@@ -115,5 +172,14 @@ def latency_plot(results, path: Path, setup: dict) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{setup['model']} · {setup['device']} {setup['dtype']} · {setup['threads']} threads")
     fig.tight_layout()
-    fig.savefig(path)
+    if Path(path).suffix:  # rendered in memory, then written whole and never through a link
+        import io
+
+        from twice.weights.safe_write import write_atomic
+
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=Path(path).suffix[1:].lower())
+        write_atomic(Path(path), buffer.getvalue())
+    else:  # matplotlib adds its default extension to the name
+        fig.savefig(path)
     plt.close(fig)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
-
 from . import options as o
 from .app import app
-from .console import COLOR
+from .console import wide_console
 from .format import human_bytes, human_count
 
 INFO_WIDTH = 120  # off a terminal (piped, redirected), at least this many columns
@@ -27,6 +25,7 @@ def info(
     from twice.weights.inspect import describe
 
     facts = describe(model, revision, dtype)
+    facts["dtype_reason"] = _dtype_reason(dtype)
     if as_json:
         print(json.dumps(facts))
         return
@@ -42,6 +41,7 @@ def info(
         ("parameters", f"{facts['parameters']:,} ({human_count(facts['parameters'])})"),
         ("stored dtype", str(facts["stored_dtype"])),
         ("weights", f"{human_bytes(facts['weight_bytes'])} in {facts['dtype']} ({facts['weight_bytes']:,} B)"),
+        ("dtype", f"{facts['dtype']} ({facts['dtype_reason']})"),
         ("context length", f"{facts['context_length']:,} tokens"),
         ("layers / heads / kv heads / head dim",
          f"{facts['layers']} / {facts['heads']} / {facts['kv_heads']} / {facts['head_dim']}"),
@@ -57,11 +57,17 @@ def info(
     ]
     for k, v in rows:
         t.add_row(k, v)
-    color = None if (COLOR["on"] and not no_color) else True  # None: rich reads NO_COLOR itself
-    console = Console(no_color=color, highlight=False)
-    if not console.is_terminal:
-        console = Console(no_color=color, highlight=False, width=max(console.width, INFO_WIDTH))
-    console.print(t)
+    wide_console(stderr=False, min_width=INFO_WIDTH, no_color=no_color).print(t)
+
+
+def _dtype_reason(dtype: str) -> str:
+    """Why info counts bytes in this dtype: --dtype, or what auto means on this CPU (info
+    never touches a GPU)."""
+    import torch
+
+    from twice.core.device import dtype_choice
+
+    return dtype_choice(dtype, torch.device("cpu"))[1]
 
 
 def _rope(rope: dict | None) -> str:

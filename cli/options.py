@@ -9,14 +9,24 @@ import typer
 Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder, .gguf file or Hub id (org/name). Default: SmolLM2-135M-Instruct.")]
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if available), cpu or cuda.")]
-Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda; on the cpu bfloat16 where a quick measurement shows this CPU multiplies it faster, "
-                                          "else float32), float32, bfloat16 or float16.")]
+Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda; on the cpu bfloat16 where the CPU has AVX-512 BF16 or AMX, "
+                                          "else float32; TWICE_CPU_AUTO_DTYPE=float32|bfloat16 pins it), float32, "
+                                          "bfloat16 or float16.")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")]
-Temperature = Annotated[Optional[float], typer.Option(help="0 = greedy. Default: the model's generation_config, else 0.")]
-TopK = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = off).")]
-TopP = Annotated[Optional[float], typer.Option(help="Keep the smallest set of tokens with this much probability.")]
-MinP = Annotated[Optional[float], typer.Option(help="Drop tokens below min-p × the top token's probability.")]
-RepPenalty = Annotated[Optional[float], typer.Option("--repetition-penalty", help="> 1 discourages repeating tokens.")]
+Temperature = Annotated[Optional[float], typer.Option(
+    help="0 = greedy. Default: the model's generation_config (greedy if it says do_sample false), else 0.8 "
+         "(llama.cpp's default; with top-k 40, top-p 0.95, min-p 0.05).")]
+TopK = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = off). Default: the model's, else 40.")]
+TopP = Annotated[Optional[float], typer.Option(help="Keep the smallest set of tokens with this much probability. "
+                                                    "Default: the model's, else 0.95.")]
+MinP = Annotated[Optional[float], typer.Option(help="Drop tokens below min-p × the top token's probability. "
+                                                    "Default: the model's, else 0.05.")]
+RepPenalty = Annotated[Optional[float], typer.Option("--repetition-penalty", help="> 1 discourages repeating tokens. "
+                                                                                "Default: the model's, else 1 (off).")]
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads for the model's kernels (at least 1). Default: "
+                                                     "torch's (the cores it may use).")]
+Stats = Annotated[bool, typer.Option("--stats", "-v", help="Print a few lines of stats at the end (stderr): TTFT, "
+                                                           "prefill and decode tokens/s, KV cache bytes.")]
 Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same output).")]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is not printed.")]
 System = Annotated[Optional[str], typer.Option(help="System message (chat mode).")]
@@ -37,37 +47,97 @@ Compile = Annotated[bool, typer.Option("--compile", help="Compile the decode ste
                                                          "native step, which needs no compiling.")]
 
 
+# What a llama.cpp (or ollama) user knows: llama.cpp's common_params_sampling defaults
+# (common/common.h: temp 0.80, top_k 40, top_p 0.95, min_p 0.05, penalty_repeat 1.00), used
+# when neither a flag nor the model's generation_config says. Greedy decoding, the old
+# default, makes small models loop ("I'm glad to have you back." nine times).
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+# transformers' GenerationConfig defaults, for the keys a do_sample=true config leaves out:
+# what the model's author got from transformers.
+TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
+
+
 def sampling_params(generation_defaults: dict, temperature, top_k, top_p, min_p, repetition_penalty, seed):
-    """Explicit flags win; otherwise the model's generation_config when it asks for
-    sampling (do_sample), else greedy."""
+    """The one place sampling settings are decided. Explicit flags win. Otherwise the model's
+    generation_config: do_sample false decodes greedily (transformers' rule, and what the
+    author asked for); do_sample true samples with its values, transformers' defaults for the
+    keys it leaves out; without do_sample, its values where it gives them and llama.cpp's
+    defaults (DEFAULT_SAMPLING) for the rest. The repetition penalty is the model's (in
+    greedy decoding too, as transformers applies it), else 1."""
     from twice.core.sampling import SamplingParams
 
-    d = generation_defaults if generation_defaults.get("do_sample") else {}
+    g = generation_defaults
+    do_sample = g.get("do_sample")
+    if do_sample is False:
+        d = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    elif do_sample:
+        d = {**TRANSFORMERS_SAMPLING, **{k: g[k] for k in TRANSFORMERS_SAMPLING if k in g}}
+    else:
+        d = {**DEFAULT_SAMPLING, **{k: g[k] for k in DEFAULT_SAMPLING if k in g}}
 
-    def pick(flag, key, default):
-        return flag if flag is not None else d.get(key, default)
+    def pick(flag, key):
+        return flag if flag is not None else d[key]
 
     return SamplingParams(
-        temperature=float(pick(temperature, "temperature", 0.0 if not d else 1.0)),
-        top_k=int(pick(top_k, "top_k", 0)),
-        top_p=float(pick(top_p, "top_p", 1.0)),
-        min_p=float(pick(min_p, "min_p", 0.0)),
-        repetition_penalty=float(
-            repetition_penalty if repetition_penalty is not None else generation_defaults.get("repetition_penalty", 1.0)
-        ),
+        temperature=float(pick(temperature, "temperature")),
+        top_k=int(pick(top_k, "top_k")),
+        top_p=float(pick(top_p, "top_p")),
+        min_p=float(pick(min_p, "min_p")),
+        repetition_penalty=float(repetition_penalty if repetition_penalty is not None
+                                 else g.get("repetition_penalty", 1.0)),
         seed=seed,
     )
 
 
 def check_flags(max_new_tokens=None, prefill_chunk=None, temperature=None, top_k=None, top_p=None, min_p=None,
-                repetition_penalty=None, seed=None, truncate=None) -> None:
+                repetition_penalty=None, seed=None, truncate=None, threads=None) -> None:
     """Refuse impossible settings before the model loads (one-line PromptError), with the
     same checks the engine makes later on the merged settings."""
     from twice.core.engine import GenerationSettings
 
+    check_threads(threads)
     sampling = sampling_params({}, temperature, top_k, top_p, min_p, repetition_penalty, seed)
     GenerationSettings(max_new_tokens=256 if max_new_tokens is None else max_new_tokens, sampling=sampling,
                        prefill_chunk=prefill_chunk, truncate=truncate)
+
+
+def check_threads(threads) -> None:
+    if threads is not None and threads < 1:
+        from twice.core.errors import PromptError
+
+        raise PromptError(f"--threads must be at least 1, got {threads}")
+
+
+def apply_threads(threads) -> None:
+    """--threads N: validated (one line when below 1), then torch's CPU thread count (the
+    native kernels run on torch's OpenMP pool, so they follow it too)."""
+    check_threads(threads)
+    if threads is not None:
+        from twice.core.device import set_threads
+
+        set_threads(threads)
+
+
+def compile_note(engine, compile: bool) -> str | None:
+    """What --compile did not do, in one notice: the native step decodes instead (the llama
+    family on the CPU), or tensor parallelism keeps the eager layers."""
+    if not compile or engine.decode_path == "compiled":
+        return None
+    if engine.decode_path == "native":
+        return ("--compile has no effect here: this model decodes with the native step on the CPU "
+                "(one C call per token, faster than the compiled step; nothing to compile)")
+    if getattr(engine.model.shard, "active", False):
+        return "--compile has no effect with --tp: tensor-parallel decode runs the eager layers"
+    return None
+
+
+def dtype_words(loaded) -> str:
+    """"cpu bfloat16 (auto: this CPU has AVX-512 BF16)": where the model runs, in what, and why."""
+    from twice.core.device import DTYPE_NAMES
+
+    name = DTYPE_NAMES.get(loaded.dtype, str(loaded.dtype))
+    why = getattr(loaded, "dtype_reason", "")
+    return f"{loaded.device.type} {name}" + (f" ({why})" if why else "")
 
 
 def ignored_with_greedy(sampling, top_k=None, top_p=None, min_p=None, seed=None) -> str | None:

@@ -25,6 +25,36 @@ def print_timing(result, loaded, no_color: bool = False, console: Console | None
     (console or report_console(no_color)).print(timing_table(result, loaded))
 
 
+def stats_lines(result, loaded=None) -> list[str]:
+    """-v/--stats: the few numbers people look at after a run, one topic a line (like
+    `ollama run --verbose`); the definitions are --timing's."""
+    r = result
+    new = r.prompt_tokens - r.reused_tokens
+    reused = f" ({r.reused_tokens:,} reused)" if r.reused_tokens else ""
+    lines = []
+    if loaded is not None:
+        why = getattr(loaded, "dtype_reason", "")
+        lines.append(f"load      {seconds(loaded.load_seconds)} · {r.device} {r.dtype}" + (f" ({why})" if why else ""))
+    lines.append(f"prefill   {new:,} tokens{reused} in {seconds(r.prefill_seconds)}, "
+                 f"{r.prefill_tokens_per_second:,.1f} tok/s · TTFT {seconds(r.ttft_seconds)}")
+    decode = f"decode    {r.generated_tokens:,} tokens in {seconds(r.decode_seconds)}"
+    if r.decode_tokens_per_second:
+        decode += f", {r.decode_tokens_per_second:,.1f} tok/s"
+    lines.append(decode + f" ({getattr(r, 'decode_path', 'eager')} step; finish: {r.finish_reason})")
+    c = r.cache
+    lines.append(f"KV cache  {human_bytes(c.bytes_in_use)} in use of {human_bytes(c.bytes_allocated)} allocated "
+                 f"({human_bytes(c.bytes_per_token)}/token, {c.tokens:,} of {c.context_length:,} tokens)")
+    return lines
+
+
+def print_stats(result, loaded=None, console: Console | None = None) -> None:
+    from rich.text import Text
+
+    out = console or report_console()
+    for line in stats_lines(result, loaded):
+        out.print(Text(line), soft_wrap=True)
+
+
 def latency_percentiles(steps: list[float]) -> dict:
     """p50/p90/p99/max of the decode steps (nearest rank), in seconds."""
     return {"p50": percentile(steps, 50), "p90": percentile(steps, 90), "p99": percentile(steps, 99),
@@ -111,7 +141,9 @@ def timing_table(result, loaded) -> Table:
     where = "torch.cuda.max_memory_allocated" if r.device.startswith("cuda") else "peak process RSS"
     t.add_row("memory", "peak", human_bytes(r.peak_memory_bytes), where)
     t.add_row("", "weights", human_bytes(r.weight_bytes), f"parameters × bytes per element, on {r.device} in {r.dtype}")
-    t.add_row("", "device / dtype", f"{r.device} / {r.dtype}", "where the model ran, and its weights' dtype")
+    why = getattr(loaded, "dtype_reason", "")
+    t.add_row("", "device / dtype", f"{r.device} / {r.dtype}",
+              "where the model ran, and its weights' dtype" + (f" ({why})" if why else ""))
     bw = bandwidth(r)
     if bw["achieved_bytes_per_s"]:
         t.add_row("bandwidth", "achieved", f"{bw['achieved_bytes_per_s'] / 1e9:,.2f} GB/s",
