@@ -48,7 +48,10 @@ def alone(engine, text: str, n: int, **kw):
 
 
 def batch(args, capsys, llama, **kw):
-    return run_inprocess(["batch", *args, "-m", llama], capsys, **kw)
+    # Greedy (--temperature 0): these tests compare with greedy decoding, and the CLI's
+    # default samples (llama.cpp's defaults) when the model says nothing; a line's own
+    # "temperature" still replaces it.
+    return run_inprocess(["batch", *args, "-m", llama, "--temperature", "0"], capsys, **kw)
 
 
 def read_lines(path) -> list[dict]:
@@ -99,7 +102,11 @@ def test_per_line_options_are_honoured(tmp_path, capsys, llama, engine):
     greedy = alone(engine, prompt, 16).text
     stop = greedy[3:5]
     assert len(greedy) >= 5 and stop.strip()
-    sampled = alone(engine, prompt, 10, sampling=SamplingParams(temperature=1.0, seed=7)).text
+    # A line's temperature replaces the run's; top-k, top-p and min-p stay the run's (the defaults, llama.cpp's).
+    from twice.cli.options import DEFAULT_SAMPLING
+
+    sampled = alone(engine, prompt, 10, sampling=SamplingParams(**{**DEFAULT_SAMPLING, "temperature": 1.0},
+                                                                seed=7)).text
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [
         {"id": "short", "prompt": prompt, "max_new_tokens": 3},
@@ -128,7 +135,7 @@ def test_chat_mode_matches_generate_and_messages_lines(tmp_path, capsys, llama):
     assert r.code == 0, r.err
     out = {o["id"]: o for o in map(json.loads, r.out.splitlines())}
     assert out["m"]["messages"] == [{"role": "user", "content": "Hello world"}] and "prompt" not in out["m"]
-    g = run_inprocess(["generate", "Hello world", "-m", llama, "-n", "8", "--json"], capsys)
+    g = run_inprocess(["generate", "Hello world", "-m", llama, "-n", "8", "--temperature", "0", "--json"], capsys)
     assert g.code == 0, g.err
     assert out["p"]["completion"] == out["m"]["completion"] == json.loads(g.out)["text"]
 
@@ -227,7 +234,7 @@ def test_resume_after_sigkill_and_torn_write(tmp_path, capsys, llama):
     src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
     n_prompts = 40
     src.write_text("".join(f"{PROMPTS[i % len(PROMPTS)]} {i}\n" for i in range(n_prompts)))
-    args = ["batch", str(src), "-m", llama, "--raw", "-n", "200", "--batch-size", "1", "-o", str(dst)]
+    args = ["batch", str(src), "-m", llama, "--raw", "-n", "200", "--temperature", "0", "--batch-size", "1", "-o", str(dst)]
     proc = subprocess.Popen([sys.executable, "-c", "from twice.cli.app import main; main()", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -342,7 +349,7 @@ def test_compile_gives_the_same_lines(tmp_path, capsys, model_dirs):
     outs = []
     for extra in ([], ["--compile"]):
         dst = tmp_path / f"out{len(extra)}.jsonl"
-        r = run_inprocess(["batch", str(src), "-m", gpt2, "--raw", "-o", str(dst), *extra], capsys)
+        r = run_inprocess(["batch", str(src), "-m", gpt2, "--raw", "--temperature", "0", "-o", str(dst), *extra], capsys)
         assert r.code == 0, r.err
         outs.append({o["id"]: (o["completion"], o["generated_tokens"]) for o in read_lines(dst)})
     assert outs[0] == outs[1] and len(outs[0]) == 4

@@ -107,7 +107,7 @@ USER = ["Hello there", "How are you today?", "Tell me about caches."]
 
 def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
     folder = model_dirs("llama")
-    child = spawn(folder, tmp_path, "-n", "8")
+    child = spawn(folder, tmp_path, "-n", "8", "--temperature", "0")
     seen = [ask(child, text) for text in USER]
     saved = tmp_path / "conversation.json"
     command(child, f"/save {saved}", "saved 6 messages")
@@ -145,7 +145,7 @@ def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
 
 def test_multiline_input_system_and_commands(model_dirs, tmp_path):
     folder = model_dirs("llama")
-    child = spawn(folder, tmp_path, "-n", "4")
+    child = spawn(folder, tmp_path, "-n", "4", "--temperature", "0")
     child.send("/help\r")
     child.expect_exact("Esc-Enter")
     child.expect_exact(PROMPT)
@@ -184,7 +184,7 @@ def test_ctrl_c_cuts_the_reply_and_keeps_the_session(model_dirs, tmp_path):
     # reply of this random model does not end by itself for thousands of tokens).
     folder = copy_model(model_dirs, tmp_path, "long")
     set_json(folder / "config.json", max_position_embeddings=4096)
-    child = spawn(folder, tmp_path, "-n", "4000")
+    child = spawn(folder, tmp_path, "-n", "4000", "--temperature", "0")
     child.send("Tell me a long story.\r")
     child.expect(r"\d+ generated")  # the status line: decoding has started
     child.sendintr()
@@ -235,7 +235,8 @@ def test_scripted_stdin_two_turns_and_context_overflow(model_dirs, tmp_path, cap
     too_long = "Hello world! How are you today? " * 21  # fits alone, not after two turns
     script = "\n".join(["Hello there", "How are you?\\", "Fine.", f"/save {early}", too_long, "/drop 2", too_long,
                         '"""', "/not a command", '"""', f"/save {saved}", ""])
-    r = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--timing"], capsys, script.encode(), monkeypatch)
+    r = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--temperature", "0", "--timing"], capsys,
+                      script.encode(), monkeypatch)
     assert r.code == 0, r.err
     assert "Traceback" not in r.err
     turns = [tuple(map(int, m.groups()[:2])) for m in SUMMARY.finditer(r.err)]
@@ -301,9 +302,10 @@ def test_compile_gives_the_same_replies(model_dirs, capsys, monkeypatch):
     replies over two turns as the eager layers, the second reusing the cache."""
     folder = model_dirs("gpt2")
     script = "Hello there\nHow are you?\n".encode()
-    plain = run_inprocess(["chat", "--model", str(folder), "-n", "8"], capsys, script, monkeypatch)
-    compiled = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--compile", "--timing"], capsys, script,
-                             monkeypatch)
+    plain = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--temperature", "0"], capsys, script,
+                          monkeypatch)
+    compiled = run_inprocess(["chat", "--model", str(folder), "-n", "8", "--temperature", "0", "--compile", "--timing"],
+                             capsys, script, monkeypatch)
     assert plain.code == compiled.code == 0, compiled.err
     assert compiled.out == plain.out and compiled.out.count("\n") == 2
     assert re.search(r"│ step +│ +compiled │", compiled.err) and "Traceback" not in compiled.err

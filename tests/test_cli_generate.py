@@ -108,9 +108,9 @@ def test_json_has_model_settings_text_counts_timings_and_cache(capsys, llama):
     assert bw["bytes_read_per_token"] > d["weight_bytes"]
 
 
-def test_defaults_in_json_greedy_and_chat_when_the_model_has_a_template(capsys, llama):
+def test_defaults_in_json_llama_cpp_sampling_and_chat_when_the_model_has_a_template(capsys, llama):
     d = gen_json(capsys, CHAT_PROMPT, "-m", llama, "-n", "3")
-    assert d["settings"] == {"max_new_tokens": 3, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+    assert d["settings"] == {"max_new_tokens": 3, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
                              "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True, "system": None,
                              "prefill_chunk": None, "truncate": None, "compile": False, "device": "cpu", "dtype": "float32"}
     assert d["finish_reason"] == "length" and d["generated_tokens"] == 3
@@ -119,7 +119,7 @@ def test_defaults_in_json_greedy_and_chat_when_the_model_has_a_template(capsys, 
 # -- finish reasons and --stop -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def greedy_raw(llama, capsys_module):
-    return capsys_module(RAW_PROMPT, "-m", llama, "--raw", "-n", "24")
+    return capsys_module(RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "0")
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +145,12 @@ def test_stop_strings_end_the_text_and_are_not_printed(capsys, llama, greedy_raw
     text = greedy_raw["text"]
     assert greedy_raw["finish_reason"] == "length" and len(text) > 12
     stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
-    d = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--stop", stop)
+    d = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "0", "--stop", stop)
     assert d["finish_reason"] == "stop"
     assert d["text"] == text[: text.find(stop)] and stop not in d["text"]
     # Repeatable: the earliest of several stop strings wins; plain output (not JSON) too.
     later = text[-3:]
-    r = gen(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--stop", later, "--stop", stop)
+    r = gen(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "0", "--stop", later, "--stop", stop)
     assert r.code == 0, r.err
     assert r.out == text[: min(text.find(stop), text.find(later))] + "\n"
 
@@ -161,7 +161,7 @@ def test_finish_reason_eos_when_the_model_emits_an_eos_token(capsys, model_dirs,
     ids = greedy_raw["token_ids"]
     eos = ids[3]
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    d = gen_json(capsys, RAW_PROMPT, "-m", str(dest), "--raw", "-n", "24")
+    d = gen_json(capsys, RAW_PROMPT, "-m", str(dest), "--raw", "-n", "24", "--temperature", "0")
     assert d["finish_reason"] == "eos"
     assert d["token_ids"] == ids[: ids.index(eos) + 1]  # the eos token is counted, its text is not shown
     assert greedy_raw["text"].startswith(d["text"])
@@ -188,13 +188,14 @@ def test_sampling_flags_change_the_output(capsys, llama, greedy_raw):
     high_min_p = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "1.5",
                           "--min-p", "0.999", "--seed", "1")
     assert high_min_p["token_ids"] == greedy_raw["token_ids"]
-    penalised = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--repetition-penalty", "5")
+    penalised = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "0",
+                         "--repetition-penalty", "5")
     assert penalised["token_ids"] != greedy_raw["token_ids"]
 
 
 def test_prefill_chunks_give_the_same_greedy_text(capsys, llama, greedy_raw):
     for chunk in ("1", "5"):
-        d = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--prefill-chunk", chunk)
+        d = gen_json(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "24", "--temperature", "0", "--prefill-chunk", chunk)
         assert d["token_ids"] == greedy_raw["token_ids"] and d["text"] == greedy_raw["text"]
 
 
@@ -256,7 +257,8 @@ def test_chat_defaults_off_without_a_template_and_chat_then_fails(capsys, model_
 # -- standard input --------------------------------------------------------------------------------
 def test_prompt_from_standard_input(capsys, monkeypatch, llama, greedy_raw):
     for args in (["-"], []):
-        d = gen_json(capsys, *args, "-m", llama, "--raw", "-n", "24", stdin=RAW_PROMPT.encode(), monkeypatch=monkeypatch)
+        d = gen_json(capsys, *args, "-m", llama, "--raw", "-n", "24", "--temperature", "0", stdin=RAW_PROMPT.encode(),
+                     monkeypatch=monkeypatch)
         assert (d["prompt_tokens"], d["token_ids"]) == (greedy_raw["prompt_tokens"], greedy_raw["token_ids"])
     r = gen(capsys, "-", "-m", llama, stdin=b"  \n", monkeypatch=monkeypatch)
     assert "the prompt is empty" in one_line_error(r)
@@ -468,7 +470,7 @@ N_TERM = "60"
 def piped(llama, capsys_module):
     """The same greedy run as --json (in this process) and as plain text in a real process
     with stdout piped."""
-    args = ["Hello world", "-m", llama, "--raw", "-n", N_TERM]
+    args = ["Hello world", "-m", llama, "--raw", "-n", N_TERM, "--temperature", "0"]
     plain = run_subprocess(["generate", *args, "--timing"])
     assert plain.code == 0, plain.err
     return capsys_module(*args), plain
@@ -514,7 +516,7 @@ def _check_clean(data: str, text: str) -> None:
 def test_on_a_terminal_the_status_line_shows_then_disappears(llama, piped, tmp_path):
     d, _ = piped
     data = _spawn(sys.executable, ["-c", "from twice.cli.app import main; main()", "generate", "Hello world",
-                                   "-m", llama, "--raw", "-n", N_TERM], tmp_path)
+                                   "-m", llama, "--raw", "-n", N_TERM, "--temperature", "0"], tmp_path)
     _check_clean(data, d["text"])
     assert data.endswith("\r\n")
 
@@ -523,7 +525,8 @@ def test_stdout_piped_stderr_terminal_status_on_stderr_then_gone(llama, piped, t
     d, _ = piped
     out = tmp_path / "out.txt"
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-c", "from twice.cli.app import main; main()",
-                                             "generate", "Hello world", "-m", llama, "--raw", "-n", N_TERM])
+                                             "generate", "Hello world", "-m", llama, "--raw", "-n", N_TERM,
+                                             "--temperature", "0"])
     data = _spawn("/bin/bash", ["-c", f"exec {cmd} > {shlex.quote(str(out))}"], tmp_path)
     assert out.read_text(encoding="utf-8") == d["text"] + "\n"
     assert "decode" in data

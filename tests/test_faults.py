@@ -163,7 +163,8 @@ def test_generate_ctrl_c_during_prefill_restores_the_terminal(long_model, tmp_pa
 
 
 def test_generate_ctrl_c_during_decode_keeps_the_text_so_far(long_model, tmp_path):
-    proc = start(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000"], tmp_path)
+    proc = start(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000", "--temperature", "0"],
+                 tmp_path)
     first = proc.stdout.read(1)  # text streams as it is generated: decoding has begun
     time.sleep(0.3)
     elapsed, out, err = signal_and_wait(proc)
@@ -174,14 +175,15 @@ def test_generate_ctrl_c_during_decode_keeps_the_text_so_far(long_model, tmp_pat
 
 
 def test_generate_sigterm_during_decode(long_model, tmp_path):
-    child = spawn(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000"], tmp_path)
+    child = spawn(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000", "--temperature", "0"],
+                  tmp_path)
     child.expect(r"\d+ generated")
     assert_sigterm_ends_quietly(child)
 
 
 # -- chat --------------------------------------------------------------------------------------------
 def test_chat_ctrl_c_in_prefill_and_decode_then_sigterm_at_the_prompt(long_model, tmp_path):
-    child = spawn(["chat", "--model", long_model, "-n", "4000", "--prefill-chunk", "1"], tmp_path)
+    child = spawn(["chat", "--model", long_model, "-n", "4000", "--temperature", "0", "--prefill-chunk", "1"], tmp_path)
     child.expect_exact(PROMPT)
     # Prefill: a long message prefills one token per pass.
     child.send(PROMPT_PIECE * 200 + "\r")
@@ -220,7 +222,7 @@ def test_batch_signal_keeps_complete_lines(long_model, tmp_path, phase, signum):
     if phase == "prefill":
         prompts, extra = [PROMPT_PIECE * 120 + str(i) for i in range(4)], ["-n", "2", "--prefill-chunk", "1"]
     else:
-        prompts, extra = [f"Story number {i}:" for i in range(6)], ["-n", "400"]
+        prompts, extra = [f"Story number {i}:" for i in range(6)], ["-n", "400", "--temperature", "0"]
     src = write_prompts(tmp_path / "in.jsonl", prompts)
     out = tmp_path / "out.jsonl"
     proc = start(["batch", src, "--model", long_model, "--raw", "--batch-size", "1", "-o", out, *extra], tmp_path)
@@ -242,7 +244,7 @@ def test_batch_signal_keeps_complete_lines(long_model, tmp_path, phase, signum):
 # -- a reader that goes away -------------------------------------------------------------------------
 def test_generate_into_head(long_model, tmp_path):
     command = " ".join(map(str, [*TWICE[:2], repr(TWICE[2]), "generate", "'Tell me a story.'", "--model",
-                                 long_model, "--raw", "-n", "4000"]))
+                                 long_model, "--raw", "-n", "4000", "--temperature", "0"]))
     p = subprocess.run(["bash", "-c", f'{command} | head -c 10; echo "status=${{PIPESTATUS[0]}}" >&2'],
                        capture_output=True, env=env(tmp_path), timeout=60)
     err = p.stderr.decode()
@@ -252,7 +254,8 @@ def test_generate_into_head(long_model, tmp_path):
 
 def test_batch_to_a_closed_pipe(long_model, tmp_path):
     src = write_prompts(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(8)])
-    proc = start(["batch", src, "--model", long_model, "--raw", "--batch-size", "1", "-n", "50"], tmp_path)
+    proc = start(["batch", src, "--model", long_model, "--raw", "--batch-size", "1", "-n", "50", "--temperature", "0"],
+                 tmp_path)
     line = proc.stdout.readline()
     assert json.loads(line)["id"] in range(8)
     proc.stdout.close()
@@ -294,7 +297,7 @@ def test_batch_output_past_the_file_size_limit(long_model, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = subprocess.Popen([*TWICE, "batch", str(src), "--model", str(long_model), "--raw", "--batch-size", "1",
-                             "-n", "30", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "-n", "30", "--temperature", "0", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env(tmp_path), preexec_fn=limited)
     _, err = proc.communicate(timeout=120)
     err = err.decode()

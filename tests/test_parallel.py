@@ -113,7 +113,7 @@ def test_generate_with_tp2_prints_once_and_equals_tp1(model_dirs, capsys):
     from clirun import run_inprocess
 
     folder = str(model_dirs("llama"))
-    args = ["generate", "The cache", "-m", folder, "-n", "12", "--raw", "--json"]
+    args = ["generate", "The cache", "-m", folder, "-n", "12", "--raw", "--temperature", "0", "--json"]
     single = run_inprocess(args, capsys)
     assert single.code == 0, single.err
     r = run_cli_ranks(args + ["--tp", "2"])
@@ -129,7 +129,7 @@ def test_data_parallel_batch_equals_one_rank(model_dirs, tmp_path):
                                for i in range(9)))
     one = tmp_path / "one.jsonl"
     two = tmp_path / "two.jsonl"
-    common = ["batch", str(prompts), "-m", folder, "-n", "6", "--raw", "--batch-size", "2"]
+    common = ["batch", str(prompts), "-m", folder, "-n", "6", "--raw", "--temperature", "0", "--batch-size", "2"]
     r = subprocess.run([sys.executable, "-c", "from twice.cli.app import main; main()", *common, "-o", str(one)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
@@ -169,7 +169,7 @@ def test_tensor_parallel_batch_equals_one_rank(model_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\nthe second one is longer than the first\nthird\n")
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    common = ["batch", str(prompts), "-m", folder, "-n", "8", "--raw"]
+    common = ["batch", str(prompts), "-m", folder, "-n", "8", "--raw", "--temperature", "0"]
     r = subprocess.run([sys.executable, "-c", "from twice.cli.app import main; main()", *common, "-o", str(one)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
