@@ -42,19 +42,9 @@ class TerminalReader:
 
     def __init__(self, history_path: Path | None):
         from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.key_binding import KeyBindings
 
-        history = InMemoryHistory()
-        if history_path is not None:
-            try:
-                history_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(history_path, "ab"):  # fail now, not in prompt-toolkit's background thread
-                    pass
-                history = FileHistory(str(history_path))
-            except OSError as e:
-                err_console().print(Text(f"note: input history not kept: {history_path}: {os_message(e)}",
-                                         style="yellow"), soft_wrap=True)
+        self.history = history = open_history(history_path)
 
         kb = KeyBindings()
 
@@ -93,7 +83,93 @@ class TerminalReader:
             # raw-mode cleanup: put the terminal back as it was before the prompt.
             _restore_terminal(saved)
             raise
+        finally:
+            _history_notice(self.history)
         return finish_input(text)
+
+
+def open_history(path: Path | None):
+    """The input history: a file of this user's (appended through safe_write, never through
+    a link, only to a regular file of ours), or, where that cannot be, none kept beyond the
+    session, after one notice."""
+    from prompt_toolkit.history import InMemoryHistory
+
+    if path is not None:
+        from twice.core.errors import TwiceError
+        from twice.weights.safe_write import ensure_folder, open_append
+
+        try:
+            ensure_folder(path.parent, what="folder for the input history")
+            with open_append(path):  # fail now, with one notice, rather than at the first message
+                pass
+            return _safe_file_history(path)
+        except (OSError, TwiceError) as e:
+            _say_history_not_kept(path, os_message(e) if isinstance(e, OSError) else str(e))
+    return InMemoryHistory()
+
+
+def _say_history_not_kept(path: Path, why: str) -> None:
+    prefix = f"{path}: "
+    why = why[len(prefix):] if why.startswith(prefix) else why  # the path is said once
+    err_console().print(Text(f"note: input history not kept: {path}: {why}", style="yellow"), soft_wrap=True)
+
+
+def _history_notice(history) -> None:
+    """Say once, after the prompt, why the history file stopped being written (a link put in
+    its place while the chat ran, a full disk): the chat goes on without it."""
+    failed = getattr(history, "failed", None)
+    if failed and not getattr(history, "said", False):
+        history.said = True
+        _say_history_not_kept(Path(history.filename), failed)
+
+
+def _safe_file_history(path: Path):
+    """prompt-toolkit's FileHistory (same file format), with every append through
+    safe_write.open_append and the file read only if it is still a regular file, not a link."""
+    import os
+
+    from prompt_toolkit.history import FileHistory
+
+    from twice.core.errors import TwiceError
+    from twice.weights.safe_write import open_append
+
+    class SafeFileHistory(FileHistory):
+        failed: str | None = None
+        said = False
+
+        def load_history_strings(self):
+            try:
+                fd = os.open(self.filename, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            except OSError:
+                return []
+            import stat
+
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return []
+                lines = [raw.decode("utf-8", errors="replace") for raw in f]  # split at b"\n" only
+            strings, entry = [], []
+            for line in lines + ["#"]:
+                if line.startswith("+"):
+                    entry.append(line[1:])
+                elif entry:
+                    strings.append("".join(entry)[:-1])  # joined, less the last newline
+                    entry = []
+            return reversed(strings)
+
+        def store_string(self, string: str) -> None:
+            import datetime
+
+            if self.failed:
+                return
+            text = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
+            try:
+                with open_append(Path(self.filename)) as f:
+                    f.write(text.encode("utf-8", errors="replace"))
+            except (OSError, TwiceError) as e:
+                self.failed = os_message(e) if isinstance(e, OSError) else str(e)
+
+    return SafeFileHistory(str(path))
 
 
 def _terminal_state():

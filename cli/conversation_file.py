@@ -4,8 +4,6 @@ written atomically and never through a symbolic link."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 SAVE_VERSION = 1
@@ -70,18 +68,14 @@ def refuse_overwrite(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    # A temporary file in the same folder, then os.replace: the destination is either the
-    # old file or the complete new one, never a half-written mix.
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    """safe_write.write_atomic: the destination is either the old file or the complete new
+    one (a temporary file beside it, fsync'ed, renamed), never written through a link, 0666
+    less the umask. What must not be written is a ValueError, as /save reports it."""
+    from twice.weights.safe_write import WriteError
+    from twice.weights.safe_write import write_atomic as write_whole
+
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        write_whole(path, text)
+    except WriteError as e:
+        message, prefix = str(e), f"{path}: "
+        raise ValueError(message[len(prefix):] if message.startswith(prefix) else message) from None

@@ -18,10 +18,13 @@ def convert(
     overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it exists."),
 ):
     """Convert a GGUF file (dequantized) into a folder transformers and twice can load."""
-    from twice.core.errors import ModelNotFoundError
-    from twice.weights.gguf import convert_gguf
+    from twice.core.errors import ModelNotFoundError, WeightsError
+    from twice.weights.gguf import DestinationExists, convert_gguf
 
     if not src.is_file():
         raise ModelNotFoundError(f"{src}: no such file")
-    folder = convert_gguf(src, out_dir, dtype=dtype, overwrite=overwrite)
+    try:
+        folder = convert_gguf(src, out_dir, dtype=dtype, overwrite=overwrite)
+    except DestinationExists:  # its text names the Python argument; here the flag is --overwrite
+        raise WeightsError(f"{out_dir}: folder exists and is not empty (pass --overwrite to replace it)") from None
     err_console().print(f"converted {src.name} → {folder}")

@@ -700,8 +700,10 @@ def test_chat_save_never_writes_through_a_link(llama, tmp_path, capsys, monkeypa
 
 
 def test_chat_save_temp_file_and_late_link(tmp_path, monkeypatch):
-    """A link where the temporary file would go is skipped (mkstemp's O_EXCL); a link put at
-    the destination after the check is replaced by the rename, not followed."""
+    """A link where the temporary file would go is skipped (mkstemp's O_EXCL); a link at the
+    destination is refused, and one put there after that check is replaced by the rename,
+    not followed."""
+    import twice.weights.safe_write as safe_write
     from twice.cli.conversation_file import write_atomic
 
     victim = tmp_path / "victim.txt"
@@ -710,7 +712,18 @@ def test_chat_save_temp_file_and_late_link(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)
     (tmp_path / ".saved.json.taken.tmp").symlink_to(victim)
     dest = tmp_path / "saved.json"
-    dest.symlink_to(victim)  # as if placed between refuse_overwrite and the rename
+    dest.symlink_to(victim)  # as if placed between refuse_overwrite and the write
+    with pytest.raises(ValueError, match="symbolic link"):
+        write_atomic(dest, '{"version": 1}\n')
+    assert dest.is_symlink() and victim.read_text() == "precious"
+    dest.unlink()
+    real_check = safe_write.refuse_non_regular
+
+    def racing_check(path, error):
+        real_check(path, error)
+        dest.symlink_to(victim)  # placed between the last check and the rename
+
+    monkeypatch.setattr(safe_write, "refuse_non_regular", racing_check)
     write_atomic(dest, '{"version": 1}\n')
     assert victim.read_text() == "precious"
     assert not dest.is_symlink() and dest.read_text() == '{"version": 1}\n'

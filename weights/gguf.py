@@ -468,6 +468,11 @@ def _write_safetensors(path: Path, jobs: list[_TensorJob], dtype: torch.dtype, s
             f.write(_tensor_bytes(_load_weight(job, src), dtype))
 
 
+class DestinationExists(WeightsError):
+    """The destination is a folder that is not empty and `overwrite` was not given (the CLI
+    names its own flag instead of the Python argument)."""
+
+
 def _check_destination(dest: Path, overwrite: bool) -> None:
     # A link is refused rather than followed: replacing it would swap the link, not its target.
     if dest.is_symlink():
@@ -475,49 +480,25 @@ def _check_destination(dest: Path, overwrite: bool) -> None:
     if dest.exists() and not dest.is_dir():
         raise WeightsError(f"{dest}: exists and is not a folder; choose another destination")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        raise WeightsError(f"{dest}: folder exists and is not empty (pass overwrite=True to replace it)")
+        raise DestinationExists(f"{dest}: folder exists and is not empty (pass overwrite=True to replace it)")
 
 
 @contextmanager
 def _atomic_folder(dest: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty folder to write into; when the block succeeds, rename it to `dest`
-    (replacing an old `dest` if `overwrite`), otherwise delete it.
+    """safe_write.atomic_folder with this module's errors: an empty folder to write into,
+    renamed to `dest` when the block succeeds (replacing an old `dest` if `overwrite`),
+    deleted otherwise; under `dest`'s lock (a second conversion into the same folder is
+    refused while the first runs; resolve's cache entries hold the lock already, waiting),
+    with the temporary folders of dead conversions removed first."""
+    from .safe_write import atomic_folder
 
-    The folder lives inside a private temporary one beside `dest` (same filesystem, so the
-    rename is atomic). mkdtemp creates that one itself under a random name, so nothing placed
-    at its path beforehand is followed; the folder inside is made by a plain mkdir, so it gets
-    the permissions the user's umask gives a new folder, not mkdtemp's 0700."""
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        private = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    except OSError as e:
-        raise WeightsError(f"{dest}: cannot create the output folder ({e.strerror or e})") from None
-    try:
-        work = private / dest.name
-        work.mkdir()
+    # _check_destination is looked up at each call, so that a test can stand in for it.
+    with atomic_folder(dest, overwrite, what="the converted model", error=WeightsError,
+                       check=lambda d, o: _check_destination(d, o)) as work:
         try:
             yield work
         except OSError as e:
             raise WeightsError(f"{dest}: cannot write the converted model ({e.strerror or e})") from None
-        _replace_folder(work, dest, overwrite)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-
-
-def _replace_folder(work: Path, dest: Path, overwrite: bool) -> None:
-    """rename(2) replaces only an empty folder, so an old one is first moved aside (into the
-    private temporary folder, which is deleted afterwards)."""
-    _check_destination(dest, overwrite)  # it may have changed while we converted
-    old = work.parent / f"{dest.name}.old"
-    had_old = dest.is_dir() and any(dest.iterdir())
-    try:
-        if had_old:
-            os.replace(dest, old)
-        os.replace(work, dest)
-    except OSError as e:
-        if had_old and old.exists() and not dest.exists():
-            os.replace(old, dest)  # put the previous model back
-        raise WeightsError(f"{dest}: cannot move the converted model into place ({e.strerror or e})") from None
 
 
 def _save_tokenizer(tokenizer, path: Path) -> None:

@@ -101,16 +101,26 @@ def _check_ours(path: Path) -> None:
 
 
 def _convert(src: Path, dest: Path, progress) -> Path:
+    """`dest` in the cache: found there, or converted from `src` into it. Under the entry's
+    lock, waiting: a second first run waits for the first and then finds its folder (the
+    folder appears whole, by a rename, so a folder with config.json is complete), and the
+    temporary folders of conversions that were killed are removed before a new one starts."""
     from .gguf import convert_gguf
+    from .safe_write import ensure_folder, exclusive_lock
 
     _check_ours(dest.parent)
     _check_ours(dest)
     if (dest / "config.json").is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        progress(f"converting {src.name} into {dest} (once)")
-    return convert_gguf(src, dest)
+    ensure_folder(dest.parent, ModelNotFoundError, "cache folder")
+    with exclusive_lock(dest, wait=True, what="this cache entry", error=ModelNotFoundError):
+        _check_ours(dest)
+        if (dest / "config.json").is_file():  # another run converted it while we waited
+            return dest
+        if progress:
+            progress(f"converting {src.name} into {dest} (once)")
+        # A folder without config.json is not one of ours (ours appear whole): replaced.
+        return convert_gguf(src, dest, overwrite=True)
 
 
 def converted_gguf(path: Path, progress=None) -> Path:

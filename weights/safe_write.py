@@ -9,11 +9,24 @@ at all, with sane modes, and under an exclusive lock where two writers may meet.
   to anything but a regular file we own.
 - `exclusive_lock(path)`: one lock per written thing (an output file and its parts, a
   cache entry), a `flock` on `.NAME.lock` beside it, released by the kernel when the
-  process dies, so a killed writer never leaves a stale lock. `wait=False` refuses at once
+  process dies, so a killed writer never leaves a stale lock (only a lock file, which the
+  next run takes and, like every run, removes when it is done). `wait=False` refuses at once
   with "another twice run is writing ..."; `wait=True` waits (a second conversion into
   the cache waits for the first and then finds its result).
 - `ensure_folder(path)`: a folder to write into, created if missing; a regular file (or
   a link) where the folder should be is one line, not a traceback.
+- `atomic_folder(dest, overwrite)`: a folder written whole or not at all (a converted
+  model, a cache entry): under `dest`'s lock, the temporary folders `.NAME.tmp-*` that dead
+  writers left are removed (any that exist while we hold the lock are dead: a live writer
+  holds it), the new one is written inside a private temporary folder beside `dest` and
+  renamed into place, an old `dest` moved aside first when `overwrite`.
+- `atomic_file(path)`: the same for one file that another program writes (the native
+  kernels' library, which the compiler writes): a temporary name beside `path` to write
+  to, renamed over `path` when the block succeeds, removed when it fails.
+
+A lock is held per thread: taking one that this thread already holds (resolve locks a
+cache entry to look for it, then the conversion locks it again to write it) goes straight
+through, while another thread or process waits or is refused.
 
 Modes: a file twice writes for the user (an output, a saved chat, a converted model) gets
 0666 less the umask, as `open()` would give it, whether it was written by one process or
@@ -25,9 +38,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from twice.core.errors import TwiceError
@@ -154,6 +170,15 @@ def lock_path(path: Path) -> Path:
     return path.parent / f".{path.name}.lock"
 
 
+_HELD = threading.local()  # the lock files this thread holds
+
+
+def _held() -> set[str]:
+    if not hasattr(_HELD, "paths"):
+        _HELD.paths = set()
+    return _HELD.paths
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path, *, wait: bool = False, what: str | None = None,
                    error: type[TwiceError] = WriteError) -> Iterator[None]:
@@ -161,16 +186,188 @@ def exclusive_lock(path: Path, *, wait: bool = False, what: str | None = None,
     import fcntl
 
     lock = lock_path(path)
-    refuse_link(lock, error)
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, PRIVATE)
-    except OSError as e:
-        raise error(f"{lock}: cannot create the lock file ({e.strerror or e})") from None
-    try:
+    key = os.path.abspath(lock)
+    held = _held()
+    if key in held:  # this thread holds it already
+        yield
+        return
+    while True:
+        fd = _open_lock(lock, error)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            os.close(fd)
             raise error(f"{path}: another twice run is writing {what or 'it'} now; wait for it to finish") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, lock):
+            break
+        os.close(fd)  # the run before us removed the lock file it held: lock the new one
+    held.add(key)
+    try:
         yield
     finally:
+        held.discard(key)
+        # Removed while still held, so no lock files are left behind; a run that opened
+        # this one meanwhile sees it gone once it gets the flock, and takes a new one.
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
         os.close(fd)  # closing releases the flock
+
+
+def _open_lock(lock: Path, error: type[TwiceError]) -> int:
+    refuse_link(lock, error)
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, PRIVATE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise error(f"{lock}: is a symbolic link; twice does not write through links") from None
+        raise error(f"{lock}: cannot create the lock file ({e.strerror or e})") from None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+# -- whole folders and files written by others ------------------------------------------
+_TMP_RANDOM = r"[a-z0-9_]{8}"  # what tempfile puts in its names
+
+
+def temp_prefix(path: Path) -> str:
+    """How the temporary names of `path`'s writers begin: `.NAME.tmp-`."""
+    return f".{Path(path).name}.tmp-"
+
+
+def remove_leftovers(path: Path) -> list[str]:
+    """Remove the temporary folders and files `.NAME.tmp-XXXXXXXX` that dead writers of
+    `path` left beside it. Call it only while holding `path`'s lock: a live writer holds
+    the lock, so any such name then is a dead one's. Only what this user owns is removed,
+    and a link is never followed (nor removed: it is not something twice made). Returns
+    the names removed."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    pattern = re.compile(re.escape(temp_prefix(path)) + _TMP_RANDOM)
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        if not pattern.fullmatch(entry.name):
+            continue
+        try:
+            st = os.lstat(entry.path)
+            if uid is not None and st.st_uid != uid:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(entry.path)  # fd-based where the platform allows: no link inside is followed
+            elif stat.S_ISREG(st.st_mode):
+                os.unlink(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed.append(entry.name)
+    return removed
+
+
+def check_folder_destination(dest: Path, overwrite: bool, error: type[TwiceError] = WriteError) -> None:
+    """`dest` may become a new folder: nothing there, an empty folder, or (`overwrite`) a
+    folder to replace; a link is refused rather than followed (replacing it would swap the
+    link, not its target)."""
+    if os.path.islink(dest):
+        raise error(f"{dest}: is a symbolic link; give the folder it points to instead")
+    if dest.exists() and not dest.is_dir():
+        raise error(f"{dest}: exists and is not a folder; choose another destination")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise error(f"{dest}: folder exists and is not empty (pass overwrite=True to replace it)")
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: Path, overwrite: bool = False, *, wait: bool = False, what: str | None = None,
+                  check: Callable[[Path, bool], None] | None = None,
+                  error: type[TwiceError] = WriteError) -> Iterator[Path]:
+    """Yield an empty folder to write into; when the block succeeds it becomes `dest`
+    (replacing an old `dest` if `overwrite`), otherwise it is deleted (see the module's
+    docstring). `check(dest, overwrite)` (default check_folder_destination) runs under the
+    lock before anything is written and again just before the rename.
+
+    The folder lives inside a private temporary one beside `dest` (same filesystem, so the
+    rename is atomic). mkdtemp creates that one itself under a random name, so nothing placed
+    at its path beforehand is followed; the folder inside is made by a plain mkdir, so it gets
+    the permissions the user's umask gives a new folder, not mkdtemp's 0700. OSErrors of the
+    block propagate for the caller's own message."""
+    dest = Path(dest)
+    check = check or (lambda d, o: check_folder_destination(d, o, error))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(f"{dest}: cannot create the output folder ({e.strerror or e})") from None
+    with exclusive_lock(dest, wait=wait, what=what, error=error):
+        check(dest, overwrite)
+        remove_leftovers(dest)
+        try:
+            private = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), dir=dest.parent))
+        except OSError as e:
+            raise error(f"{dest}: cannot create the output folder ({e.strerror or e})") from None
+        try:
+            work = private / dest.name
+            try:
+                work.mkdir()
+            except OSError as e:
+                raise error(f"{dest}: cannot create the output folder ({e.strerror or e})") from None
+            yield work
+            check(dest, overwrite)  # it may have changed while we wrote (not by twice: we hold the lock)
+            _replace_folder(work, dest, what, error)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _replace_folder(work: Path, dest: Path, what: str | None, error: type[TwiceError]) -> None:
+    """rename(2) replaces only an empty folder, so an old one is first moved aside (into the
+    private temporary folder, which is deleted afterwards). A link found at `dest` here is
+    moved aside as a link, never followed."""
+    old = work.parent / f"{dest.name}.old"
+    had_old = os.path.lexists(dest) and not (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()))
+    try:
+        if had_old:
+            os.replace(dest, old)
+        os.replace(work, dest)
+    except OSError as e:
+        if had_old and os.path.lexists(old) and not os.path.lexists(dest):
+            os.replace(old, dest)  # put the previous one back
+        raise error(f"{dest}: cannot move {what or 'the new folder'} into place ({e.strerror or e})") from None
+    _sync_folder(dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, *, mode: int | None = None, wait: bool = True, what: str | None = None,
+                error: type[TwiceError] = WriteError) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for another program to write (the compiler's
+    -o); when the block succeeds it gets `mode` (default 0666 less the umask) and is renamed
+    over `path`, otherwise it is removed. Under `path`'s lock (waiting by default), with
+    the leftovers of dead writers removed first. The temporary file is created by mkstemp
+    (O_EXCL, nothing planted at its name is followed): use it in a folder others cannot
+    write, as a program that writes by name may replace it."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    with exclusive_lock(path, wait=wait, what=what, error=error):
+        refuse_non_regular(path, error)
+        remove_leftovers(path)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=temp_prefix(path))
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.chmod(tmp, user_mode() if mode is None else mode)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _sync_folder(folder)

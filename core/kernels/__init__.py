@@ -11,8 +11,9 @@ prompt, a chunk, a chat turn, a padded batch). When no C compiler is there, or i
 SDPA; nothing else changes.
 
 The shared library lands in <cache>/kernels/, named by a hash of the source, the flags
-and the machine, built into a temporary name and renamed, so concurrent first runs and
-CPU changes never load a wrong or half-written file.
+and the machine, built under a lock into a temporary name and renamed (weights/safe_write),
+so concurrent first runs compile once, and neither they nor CPU changes ever load a wrong
+or half-written file.
 """
 
 from __future__ import annotations
@@ -69,19 +70,8 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     else:
         temporary = False
     lib = folder / f"twice-kernels-{key}.so"
-    if not (lib.is_file() and _private(lib)):
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".twice-kernels-", suffix=".so")
-            os.close(fd)
-            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                                    timeout=120)
-            if result.returncode != 0:
-                os.unlink(tmp)
-                return None
-            os.chmod(tmp, 0o700)
-            os.replace(tmp, lib)
-        except (OSError, subprocess.SubprocessError):
-            return None
+    if not _write_library(lib, [compiler, *flags, *map(str, SOURCES)]):
+        return None
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError:
@@ -103,6 +93,32 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
                                         i64, p, ctypes.c_float, ctypes.c_int]
     return handle
+
+
+class _CompileFailed(Exception):
+    pass
+
+
+def _write_library(lib: Path, command: list[str]) -> bool:
+    """The library at `lib`, found there or compiled by `command` (given "-o FILE" after
+    it); False where the compiler fails. Through safe_write: under `lib`'s lock (a second
+    first run waits for the first, then finds its library instead of compiling again),
+    into a temporary name beside it (those that killed builds left are removed first),
+    0700 and renamed into place."""
+    from twice.core.errors import TwiceError
+    from twice.weights.safe_write import atomic_file, exclusive_lock
+
+    try:
+        with exclusive_lock(lib, wait=True, what="the native kernels"):
+            if lib.is_file() and _private(lib):
+                return True
+            with atomic_file(lib, mode=0o700, what="the native kernels") as tmp:
+                result = subprocess.run([*command, "-o", str(tmp), "-lm"], capture_output=True, timeout=120)
+                if result.returncode != 0:
+                    raise _CompileFailed
+    except (_CompileFailed, OSError, subprocess.SubprocessError, TwiceError):
+        return False
+    return True
 
 
 def _private(path: Path) -> bool:
