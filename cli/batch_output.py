@@ -7,6 +7,7 @@ run leaves at most one torn last line, which --resume drops before appending.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.errors import PromptError, TwiceError
+from twice.core.fields import JSONLimitError, loads
 
 OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
 
@@ -62,8 +64,8 @@ def scan_output(data: bytes, name: str) -> OutputState:
 
 def _our_line(raw: bytes) -> dict | None:
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        obj = loads(raw)  # bounded (core/fields.py): deep nesting is refused, never a RecursionError
+    except ValueError:  # also UnicodeDecodeError and fields.JSONLimitError
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("finish_reason"), str):
         return None
@@ -73,9 +75,11 @@ def _our_line(raw: bytes) -> dict | None:
 
 def _is_json(raw: bytes) -> bool:
     try:
-        json.loads(raw.decode("utf-8"))
+        loads(raw)
         return True
-    except (UnicodeDecodeError, ValueError, RecursionError):
+    except JSONLimitError:  # JSON beyond our bounds (deep, huge numbers) is still JSON: not a torn write
+        return True
+    except ValueError:
         return False
 
 
@@ -83,16 +87,12 @@ def _starts_like_ours(tail: bytes) -> bool:
     return tail.startswith(OUR_PREFIX) or OUR_PREFIX.startswith(tail)
 
 
-def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputState]:
-    """Refuse anything that could clobber a file or fail only after the work is done.
-
-    The output is never reached through a symbolic link: in a shared folder, a link put
-    where our output will be could otherwise point the results (or --resume's truncation
-    of a torn line) at someone else's file."""
-    if output in (None, "-"):
-        if resume:
-            raise PromptError("--resume needs --output FILE.jsonl (there is nothing to resume on standard output)")
-        return None, OutputState()
+def precheck_output(output: str) -> Path:
+    """What can be refused about an output file without reading it: its folder must
+    exist, and it must not be a symbolic link or a folder. The output is never reached
+    through a symbolic link: in a shared folder, a link put where our output will be could
+    otherwise point the results (or --resume's truncation of a torn line) at someone
+    else's file."""
     path = Path(output)
     if not path.parent.is_dir():
         raise PromptError(f"{output}: the folder {str(path.parent)!r} does not exist")
@@ -100,27 +100,65 @@ def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputS
         raise PromptError(f"{output} is a symbolic link; give the file itself (twice never writes through a link)")
     if path.is_dir():
         raise PromptError(f"{output} is a folder; --output takes a file name")
+    return path
+
+
+def hold_output(path: Path, locks: contextlib.ExitStack) -> None:
+    """Take the one lock for writing `path` (an output, a part file) until `locks` closes;
+    another run holding it is one line, and nothing of the file is read or touched. Taken
+    before reading what is done, so two --resume runs never both take the same ids."""
+    from twice.weights.safe_write import exclusive_lock
+
+    locks.enter_context(exclusive_lock(path, what="this output", error=PromptError))
+
+
+def check_output(output: str | None, resume: bool) -> tuple[Path | None, OutputState]:
+    """Refuse anything that could clobber a file or fail only after the work is done; with
+    --resume, read what an earlier run left (hold the output's lock first: hold_output)."""
+    if output in (None, "-"):
+        if resume:
+            raise PromptError("--resume needs --output FILE.jsonl (there is nothing to resume on standard output)")
+        return None, OutputState()
+    path = precheck_output(output)
     if not path.exists():
         return path, OutputState()
     if not resume:
         raise PromptError(f"{output} already exists; pass --resume to continue it, or choose another --output file")
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
-    except OSError as e:
-        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PromptError(f"{output} is not a regular file; --resume continues a file that twice wrote")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise TwiceError(f"cannot read {output}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
+    data, st = read_ours(path)
     state = scan_output(data, output)
     state.identity = (st.st_dev, st.st_ino, len(data), st.st_mtime_ns)
     return path, state
+
+
+def read_ours(path: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of an earlier output (or part file), never through a link and never from
+    anything but a regular file (a FIFO must not block us)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PromptError(f"{path} is a symbolic link; give the file itself "
+                              "(twice never writes through a link)") from None
+        raise TwiceError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PromptError(f"{path} is not a regular file; --resume continues a file that twice wrote")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TwiceError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    return data, st
+
+
+def our_lines(data: bytes, name: str) -> list[tuple[str, bytes]]:
+    """(id, line) for every whole line of an earlier output, as scan_output checks it (a
+    file that is not ours refused, a torn last line dropped)."""
+    state = scan_output(data, name)
+    kept = data if state.keep_bytes is None else data[:state.keep_bytes]
+    return [(str(json.loads(raw)["id"]), raw) for raw in kept.split(b"\n")[:-1]]
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -129,8 +167,9 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 class Writer:
     """One JSON line per result, each with a single write() of the whole line.
 
-    A new file is created with O_EXCL (never an existing file, never through a link); an
-    existing one (--resume) is opened with O_NOFOLLOW and must still be the very file
+    A new file is created with O_EXCL (never an existing file, never through a link), 0666
+    less the umask (as a merged data-parallel output gets it); an existing one (--resume)
+    is opened with O_NOFOLLOW and must still be the very file
     --resume read. A line that cannot be written whole (disk full, file size limit) is cut
     back off, so the file never ends in a torn line of this run."""
 
@@ -142,7 +181,7 @@ class Writer:
         if not state.existing:
             flags |= os.O_CREAT | os.O_EXCL  # if someone created it since we looked: refuse, never clobber
         try:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, flags, 0o666)  # less the umask, as open() and write_atomic give
             if state.identity is not None:
                 st = os.fstat(self.fd)
                 if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != state.identity:

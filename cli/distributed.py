@@ -10,10 +10,9 @@ left in the output) into the output, in input order, atomically.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import tempfile
+import re
 from pathlib import Path
 
 from twice.core.errors import PromptError, TwiceError
@@ -21,11 +20,17 @@ from twice.core.errors import PromptError, TwiceError
 
 def start(device: str, tp: int):
     """(launch, shard) for this process; without torchrun, rank 0 of 1 and no shard."""
-    from twice.core.parallel import SINGLE, init_from_env, launched_by_torchrun
+    from twice.core.parallel import SINGLE, init_from_env, launched_by_torchrun, stray_launch_variables
 
     if tp < 1:
         raise PromptError(f"--tp must be at least 1, got {tp}")
     if not launched_by_torchrun():
+        stray = stray_launch_variables()
+        if stray:
+            from .errors import notice
+
+            notice(f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, but torchrun did not start this "
+                   "process (no TORCHELASTIC_RUN_ID): running as one process")
         if tp > 1:
             raise PromptError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp} "
                               f"--no-python twice ... --tp {tp}")
@@ -64,39 +69,53 @@ def my_share(records: list, rank: int, world: int) -> list:
     return [r for i, r in enumerate(records) if i % world == rank]
 
 
-def merge_parts(output: Path, records: list, world: int) -> int:
-    """Write the output as the earlier output's lines plus every rank's part, one line per
-    id, in input order; atomically (a temporary file beside it, then a rename), so a crash
-    leaves the old output and the parts, which --resume picks up. Returns the lines written."""
+def find_parts(output: Path) -> list[tuple[Path, int, int]]:
+    """(path, rank, world) of every part file `OUTPUT.part-R-of-N` beside the output, of
+    any N (a killed run of another size leaves its own), ordered by N then R."""
+    pattern = re.compile(re.escape(output.name) + r"\.part-(\d{1,6})-of-(\d{1,6})")
+    found = []
+    try:
+        names = os.listdir(output.parent if str(output.parent) else ".")
+    except OSError:
+        return []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m and int(m.group(1)) < int(m.group(2)):
+            found.append((output.with_name(name), int(m.group(1)), int(m.group(2))))
+    return sorted(found, key=lambda f: (f[2], f[1]))
+
+
+def merge_parts(output: Path, records: list, parts: list[Path] | None = None) -> int:
+    """Write the output as the earlier output's lines plus every part's (default: all the
+    part files beside it, of any N), one line per id, in input order; atomically (a
+    temporary file beside it, then a rename, with the mode a one-process run gives a new
+    file, or the old output's), so a crash leaves the old output and the parts, which
+    --resume picks up; then remove the parts. Every file read must be ours (a torn last
+    line is dropped: its prompt runs again). The caller holds the output's lock. Returns
+    the lines written."""
+    from twice.weights.safe_write import write_atomic
+
+    from .batch_output import our_lines, read_ours
+
     order = {r.key: i for i, r in enumerate(records)}
-    sources = [output] + [part_path(output, rank, world) for rank in range(world)]
+    if parts is None:
+        parts = [path for path, _, _ in find_parts(output)]
     lines: dict[str, bytes] = {}
-    for source in sources:
-        if not source.is_file():
+    mode = None
+    for source in [output, *parts]:
+        if not os.path.lexists(source):
             continue
-        for raw in source.read_bytes().split(b"\n"):
-            try:
-                obj = json.loads(raw)
-                key = str(obj["id"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line of a killed run: its prompt is run again on --resume
+        data, st = read_ours(source)
+        if source == output:
+            mode = st.st_mode & 0o777
+        for key, raw in our_lines(data, str(source)):
             lines.setdefault(key, raw)
     ordered = sorted(lines.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".merge")
     try:
-        with os.fdopen(fd, "wb") as f:
-            for _, raw in ordered:
-                f.write(raw + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
+        write_atomic(output, b"".join(raw + b"\n" for _, raw in ordered), mode=mode, error=PromptError)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise TwiceError(f"cannot write {output}: {e.strerror or e}") from None
-    for source in sources[1:]:
+    for source in parts:
         try:
             source.unlink()
         except FileNotFoundError:
