@@ -384,6 +384,9 @@ def batch(
 ):
     if no_color:
         COLOR["on"] = False
+    from .prompt_input import check_text_arguments
+
+    check_text_arguments(system=system, stop=stop)
     if batch_size is not None and batch_size < 1:
         raise PromptError(f"--batch-size must be at least 1, got {batch_size}")
     if input_format is not None and input_format not in FORMATS:

@@ -15,6 +15,7 @@ from pathlib import Path
 from twice.core.errors import PromptError
 
 FORMATS = ("txt", "jsonl")
+MAX_LINE_CHARS = 64 * 2**20  # as cli/prompt_input.py's MAX_PROMPT_BYTES: one prompt
 LINE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 KNOWN_KEYS = frozenset(("id", "prompt", "messages", *LINE_OPTIONS))
 
@@ -62,6 +63,10 @@ def parse_input(text: str, fmt: str) -> tuple[list[Record], list[LineError]]:
     errors: list[LineError] = []
     first_seen: dict[str, int] = {}
     for number, line in enumerate(_lines(text), start=1):
+        if len(line) > MAX_LINE_CHARS:  # sizes before work: never parsed (nor tokenized)
+            errors.append(LineError(number, f"the line is {len(line):,} characters; a line is at most "
+                                            f"{MAX_LINE_CHARS:,} (a prompt is at most 64 MiB)"))
+            continue
         if not line.strip():
             continue
         try:

@@ -17,7 +17,7 @@ from twice.core.errors import PromptError
 
 from . import options as o
 from .app import app
-from .prompt_input import read_prompt
+from .prompt_input import check_text_arguments, read_prompt
 from .readout import Readout
 
 
@@ -51,6 +51,7 @@ def generate(
     # Bad settings fail in one line before the model loads; so does a missing prompt.
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate)
+    check_text_arguments(system=system, stop=stop)
     text = read_prompt(prompt)
 
     from .distributed import finish, start

@@ -223,6 +223,13 @@ class _Row:
         self.finish: str | None = None
 
 
+def _dropped(tokens: int, chars: int) -> str:
+    """What truncate="left" dropped, for its notice."""
+    if not chars:
+        return f"{tokens} prompt tokens"
+    return f"{chars:,} characters and then {tokens} tokens of the prompt"
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -257,16 +264,10 @@ class Engine:
         self.cached_ids: list[int] = []  # the tokens whose keys/values it holds
 
     # -- public API ----------------------------------------------------------------------
-    def tokenize(self, request: Request) -> list[int]:
-        if request.ids is not None:
-            ids = list(request.ids)
-            bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < self.config.vocab_size)]
-            if bad:
-                raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
-            return ids
-        if request.messages is not None:
-            return self.tokenizer.encode_chat(request.messages)
-        return self.tokenizer.encode(request.text or "")
+    def tokenize(self, request: Request, settings: GenerationSettings | None = None) -> list[int]:
+        """The request's token ids. A text (or rendered chat) that surely cannot fit the
+        context is refused before it is tokenized (see _tokenize)."""
+        return self._tokenize(request, settings)[0]
 
     def reset(self) -> None:
         """Forget the session cache (the next call prefills from scratch)."""
@@ -285,11 +286,11 @@ class Engine:
         """Generate for one prompt; reuse the cached prefix shared with the previous call."""
         start = time.perf_counter()
         reset_peak_memory(self.device)
-        ids = self.tokenize(request)
+        ids, cut = self._tokenize(request, settings)
         tokenize_seconds = time.perf_counter() - start
         ids, dropped = self._truncate(ids, settings)
-        if dropped:
-            yield Notice(f"dropped the first {dropped} prompt tokens to fit the context of {self.context_length} "
+        if dropped or cut:
+            yield Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context of {self.context_length} "
                          f"(--truncate left)", context=True)
         max_new = self._check_length(ids, settings)
         reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
@@ -331,9 +332,10 @@ class Engine:
         for i, (request, s) in enumerate(zip(requests, settings)):
             t = time.perf_counter()
             try:
-                ids, dropped = self._truncate(self.tokenize(request), s)
-                if dropped:
-                    yield Notice(f"dropped the first {dropped} prompt tokens to fit the context", row=i, context=True)
+                ids, cut = self._tokenize(request, s)
+                ids, dropped = self._truncate(ids, s)
+                if dropped or cut:
+                    yield Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context", row=i, context=True)
                 max_new = self._check_length(ids, s)
             except TwiceError as e:
                 yield Failed(i, str(e))
@@ -389,12 +391,61 @@ class Engine:
                          "decoding with the eager layers")
             return 0.0
 
+    def _tokenize(self, request: Request, settings: GenerationSettings | None) -> tuple[list[int], int]:
+        """(token ids, characters cut from the text's start before tokenizing). Sizes before
+        tokens: a text that surely encodes to more tokens than the context holds (a sound
+        bound from its length, Tokenizer.fewest_tokens) is refused before it is tokenized,
+        which for megabytes of text takes seconds and gigabytes. With truncate="left" such
+        a text is cut instead, to an end that still holds twice the tokens kept (so the
+        tokens kept are those of the whole text but for the rare word whose pieces depend on
+        what lies a whole context before it); only that end is tokenized."""
+        if request.ids is not None:
+            ids = list(request.ids)
+            bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < self.config.vocab_size)]
+            if bad:
+                raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            return ids, 0
+        if request.messages is not None:
+            # The template writes the special tokens itself (as transformers does, no second BOS).
+            text, special = self.tokenizer.render_chat(request.messages), False
+        else:
+            text, special = request.text or "", True
+        cut = 0
+        if settings is not None and settings.truncate == "left" and \
+                self.tokenizer.fewest_tokens(text) > (want := 2 * self._keep(settings)):
+            # Only an end is tokenized: first one of 16 characters a token (more than most
+            # text needs), else the end the bound guarantees to be long enough.
+            for tail in (text[-16 * want:], self.tokenizer.tail(text, want)):
+                ids = self.tokenizer.encode(tail, add_special_tokens=special)
+                if len(ids) >= want:
+                    break
+            cut = len(text) - len(tail)
+        else:
+            if settings is None or settings.truncate != "left":
+                room = self.context_length - 1  # leave room for at least one new token
+                at_least = self.tokenizer.fewest_tokens(text)
+                if at_least > room:
+                    raise PromptError(
+                        f"the prompt is at least {at_least} tokens but the model's context is "
+                        f"{self.context_length}: at least {at_least - room} tokens too many (refused before "
+                        "tokenizing; leave room for at least one new token)")
+            ids = self.tokenizer.encode(text, add_special_tokens=special)
+        if ids and max(ids) >= self.config.vocab_size:  # load() checks the tokenizer's size; this, a sparse vocabulary
+            raise PromptError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary "
+                              f"(0..{self.config.vocab_size - 1}): the tokenizer does not belong to this model")
+        return ids, cut
+
+    def _keep(self, settings: GenerationSettings) -> int:
+        """The prompt tokens truncate="left" keeps: the context less room for the new tokens
+        (at most half the context)."""
+        return self.context_length - min(settings.max_new_tokens, self.context_length // 2)
+
     def _truncate(self, ids: list[int], settings: GenerationSettings) -> tuple[list[int], int]:
         """With truncate="left", keep the end of a prompt too long for the context, leaving
         room for the new tokens (at most half the context): (ids, tokens dropped)."""
         if settings.truncate != "left":
             return ids, 0
-        keep = self.context_length - min(settings.max_new_tokens, self.context_length // 2)
+        keep = self._keep(settings)
         if len(ids) <= keep:
             return ids, 0
         return ids[-keep:], len(ids) - keep
