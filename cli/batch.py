@@ -10,7 +10,6 @@ skips the ids already written and appends the rest.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -25,10 +24,9 @@ from twice.core.errors import PromptError, TwiceError
 from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
-from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
-                           scan_output)
+from .batch_output import NullWriter, OutputState, Writer, check_output
 from .console import COLOR, err_console
-from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
+from .distributed import all_ok, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
 from .format import human_bytes, seconds
 
@@ -143,6 +141,9 @@ class Stats:
     started: float = 0.0
     wall: float = 0.0
     oom_retries: int = 0  # batches cut in half because the device ran out of memory
+    largest_batch: int = 0  # most rows in one generate_batch call
+    rows: int = 0  # rows over all generate_batch calls (a batch run again after running out of memory counts again)
+    decode_path: str = ""  # native | compiled | eager, as the engine reports it
 
 
 def result_line(record: Record, result) -> dict:
@@ -183,6 +184,8 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
         batch, pending = pending[:size], pending[size:]
         stats.batches += 1
         stats.prompts += len(batch)
+        stats.largest_batch = max(stats.largest_batch, len(batch))
+        stats.rows += len(batch)
         finished: set[int] = set()
         tokens = [0] * len(batch)
         # Pass token ids: each prompt was tokenized once already, to sort by length.
@@ -277,8 +280,11 @@ def _rate_text(stats: Stats, now: float) -> str:
     return f"{stats.generated_tokens / elapsed:,.1f} tok/s" if elapsed > 0 else ""
 
 
-def summary_table(stats: Stats, batch_size: int, why: str, loaded):
-    """--timing: totals over the run, each with the definition it was measured by."""
+def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | None = None):
+    """--timing: totals over the run, each with the definition it was measured by.
+    `batch_size` is the limit chosen before the run (`why` says how), `used` the limit at
+    the end (smaller after running out of memory); the rows each batch really held are
+    their own line, since fewer prompts than the limit make smaller batches."""
     from rich.table import Table
 
     t = Table(title="twice batch timing report", header_style="bold", title_justify="left")
@@ -291,7 +297,10 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded):
         ("load", seconds(loaded.load_seconds), "read config, weights and tokenizer"),
         ("prompts", f"{stats.done} done, {stats.failed} failed", "rows sent to the engine in this run"),
         ("batches", str(stats.batches), "generate_batch calls (prompts sorted by token length)"),
-        ("batch size", str(batch_size), f"most rows per batch; {why}"),
+        ("batch size limit", str(batch_size), f"most rows a batch may hold: {why}"
+         + (f"; cut to {used} after running out of memory" if used is not None and used != batch_size else "")),
+        ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.batches):,.1f} mean",
+         "rows each generate_batch call held (at most the limit; the last batch holds what is left)"),
         ("prompt tokens", f"{stats.prompt_tokens:,}", "sum over finished prompts"),
         ("generated tokens", f"{stats.generated_tokens:,}", "sum over all rows"),
         ("wall time", seconds(stats.wall), "first batch start → last batch end (prefill + decode, all batches)"),
@@ -323,6 +332,7 @@ class Plan:
     system: str | None
     use_chat: bool = False
     compile: bool = False  # --compile: the torch.compile'd decode step (and CUDA graphs on a GPU)
+    stats: bool = False  # -v/--stats: a few lines at the end
     quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
 
 
@@ -379,30 +389,27 @@ def batch(
     prefill_chunk: o.PrefillChunk = None,
     tp: o.TensorParallel = 1,
     timing: o.Timing = False,
+    stats: o.Stats = False,
+    threads: o.Threads = None,
     compile: o.Compile = False,
     no_color: o.NoColor = False,
 ):
     if no_color:
         COLOR["on"] = False
-    from .prompt_input import check_text_arguments
-
-    check_text_arguments(system=system, stop=stop)
+    o.apply_threads(threads)
     if batch_size is not None and batch_size < 1:
         raise PromptError(f"--batch-size must be at least 1, got {batch_size}")
     if input_format is not None and input_format not in FORMATS:
         raise PromptError(f"--format must be txt or jsonl, got {input_format!r}")
     launch, shard = start(device, tp)
     data_parallel = launch.world > 1 and not shard.active
-    locks = contextlib.ExitStack()  # the output's (and parts') locks, held to the end of the run
     try:
         failure, merge = None, None
         try:
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
                                         input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                         stop, prefill_chunk), locks=locks)
-        except _RefusedEverywhere:
-            raise  # every rank knows already, and none has started
+                                         stop, prefill_chunk), stats=stats)
         except TwiceError as e:
             if not data_parallel:
                 raise
@@ -414,72 +421,14 @@ def batch(
                                  "the same command with --resume continues)")
             if launch.rank == 0 and merge is not None:
                 final_path, records = merge
-                lines = merge_parts(final_path, records)
+                lines = merge_parts(final_path, records, launch.world)
                 _say(f"merged the parts of {launch.world} ranks into {final_path} ({_count(lines, 'line')})")
     finally:
-        locks.close()
         finish(launch)
 
 
-class _RefusedEverywhere(TwiceError):
-    """A data-parallel run that could not take its locks: every rank raises it together."""
-
-
-def _claim(launch, data_parallel: bool, output: str | None, locks: contextlib.ExitStack) -> None:
-    """The locks, taken before anything is read: one process locks the output; in a
-    data-parallel run rank 0 locks the output and every rank its own part, and every rank
-    learns whether all got theirs before any starts work."""
-    failure = None
-    try:
-        if output not in (None, "-"):
-            path = precheck_output(output)
-            if not data_parallel or launch.rank == 0:
-                hold_output(path, locks)
-            if data_parallel:
-                part = part_path(path, launch.rank, launch.world)
-                precheck_output(str(part))
-                hold_output(part, locks)
-    except TwiceError as e:
-        if not data_parallel:
-            raise
-        failure = e
-    if data_parallel:
-        failures = all_ok(launch, failure)
-        if failures:
-            raise _RefusedEverywhere("; ".join(failures))
-
-
-def _earlier_parts(out_path: Path | None, resume: bool, locks: contextlib.ExitStack, launch,
-                   data_parallel: bool) -> list[Path]:
-    """The part files an interrupted data-parallel run left beside the output (of any
-    number of ranks). They need --resume. One process locks them all (it merges them into
-    the output before it starts); a data-parallel rank gets those of a run of another size
-    (read as done, merged by rank 0 at the end), its own run's being its ranks' business."""
-    if out_path is None:
-        return []
-    parts = find_parts(out_path)
-    if parts and not resume:
-        raise PromptError(f"{parts[0][0]} already exists; pass --resume to continue the data-parallel run that "
-                          "left it (or choose another --output file)")
-    if data_parallel:
-        return [path for path, _, world in parts if world != launch.world]
-    for path, _, _ in parts:
-        precheck_output(str(path))
-        hold_output(path, locks)
-    return [path for path, _, _ in parts]
-
-
-def _done_in(parts: list[Path]) -> set[str]:
-    done: set[str] = set()
-    for path in parts:
-        data, _ = read_ours(path)
-        done |= scan_output(data, str(path)).done
-    return done
-
-
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
-                        model, revision, device, dtype, chat, system, timing, compile, settings,
-                        locks=None):
+                        model, revision, device, dtype, chat, system, timing, compile, settings, stats=False):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -487,12 +436,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     if data_parallel and output in (None, "-"):
         raise PromptError("twice batch under torchrun without --tp splits the prompts across ranks and "
                           "needs --output FILE.jsonl (each rank writes a part, rank 0 merges them)")
-    locks = locks if locks is not None else contextlib.ExitStack()
-    _claim(launch, data_parallel, output, locks)  # before reading what is done
     out_path, state = check_output(output, resume)
-    parts = _earlier_parts(out_path, resume, locks, launch, data_parallel)
-    if state.existing and launch.rank == 0:
-        _say(f"note: {output}: continuing ({_count(len(state.done), 'result')} of an earlier run kept)")
     name, text, fmt = read_input(input, input_format)
     records, errors = parse_input(text, fmt)
     if launch.rank == 0:
@@ -503,16 +447,11 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         raise PromptError(f"{name} holds no prompts")
     if not records:
         raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {name} are bad")
-    if parts and not data_parallel:  # an interrupted data-parallel run's results join the output first
-        lines = merge_parts(out_path, records, parts)
-        _say(f"note: merged {_count(len(parts), 'part file')} of an interrupted data-parallel run into {output} "
-             f"({_count(lines, 'line')})")
-        out_path, state = check_output(output, resume)
     mine, done, merge = records, state.done, None
     if data_parallel:  # this rank's share goes to its own part file
         merge = (out_path, records)
         mine = my_share(records, launch.rank, launch.world)
-        final_done = state.done | _done_in(parts)  # parts of a run of another size: merged at the end
+        final_done = state.done
         out_path, state = check_output(str(part_path(out_path, launch.rank, launch.world)), resume)
         done = final_done | state.done
     todo = [r for r in mine if r.key not in done]
@@ -521,7 +460,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
             _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
         return merge
     plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
-                batch_size=batch_size, timing=timing, system=system, compile=compile)
+                batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats)
     if shard.active and launch.rank != 0:
         plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
     loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard)
@@ -536,6 +475,8 @@ def _run(loaded, plan: Plan, base) -> None:
 
     say = _quiet if plan.quiet else _say
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=plan.compile)
+    if (compiled := o.compile_note(engine, plan.compile)) is not None:
+        say(f"note: {compiled}")
     jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)
     if not plan.quiet:
         _report_lines(plan.name, token_errors, [])
@@ -567,10 +508,31 @@ def _run(loaded, plan: Plan, base) -> None:
     if plan.quiet:
         return
     if plan.timing:
-        if stats.oom_retries:
-            why = f"{why}; cut to {used} after running out of memory"
-        err_console().print(summary_table(stats, min(size, len(jobs)), why, loaded))
+        from .report import report_console
+
+        report_console().print(summary_table(stats, size, why, loaded, used if stats.oom_retries else None))
+    if plan.stats:
+        _print_stats(stats, size, loaded, engine)
+
     _finish(stats, len(errors), plan.already)
+
+
+def _print_stats(stats: Stats, size: int, loaded, engine) -> None:
+    """-v/--stats: the run in a few lines (--timing has every number with its definition)."""
+    rate = stats.generated_tokens / stats.wall if stats.wall > 0 else 0.0
+    mean_ttft = sum(stats.ttfts) / len(stats.ttfts) if stats.ttfts else 0.0
+    lines = [
+        f"load      {seconds(loaded.load_seconds)} · {o.dtype_words(loaded)}",
+        f"prompts   {stats.done:,} done in {stats.batches:,} batch{'' if stats.batches == 1 else 'es'} "
+        f"(at most {size} rows, {stats.largest_batch} the most held) · {stats.prompt_tokens:,} prompt tokens · "
+        f"mean TTFT {seconds(mean_ttft)}",
+        f"decode    {stats.generated_tokens:,} tokens in {seconds(stats.wall)}, {rate:,.1f} tok/s over the batch "
+        f"({engine.decode_path} step)",
+        f"KV cache  {human_bytes(stats.kv_per_token)}/token per row, {human_bytes(max(stats.kv_allocated, default=0))} "
+        "allocated for the largest batch",
+    ]
+    for line in lines:
+        _say(line)
 
 
 def _quiet(message: str) -> None:

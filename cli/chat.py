@@ -69,6 +69,8 @@ def chat(
     system: o.System = None,
     prefill_chunk: o.PrefillChunk = None,
     timing: TimingEach = False,
+    stats: o.Stats = False,
+    threads: o.Threads = None,
     compile: o.Compile = False,
     history: History = None,
     no_color: o.NoColor = False,
@@ -80,9 +82,7 @@ def chat(
 
     if no_color:
         COLOR["on"] = False
-    from .prompt_input import check_text_arguments
-
-    check_text_arguments(system=system, stop=stop)
+    o.apply_threads(threads)
     with Readout(show_text=False) as readout:
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
     tokenizer = loaded.tokenizer
@@ -98,9 +98,12 @@ def chat(
                                   prefill_chunk=prefill_chunk)
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile)
     session = ChatSession(loaded, engine, settings, system, timing)
+    session.stats = stats
     reader = make_reader(history)
-    session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · /help for commands",
-                "dim")
+    session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · {o.dtype_words(loaded)} · "
+                "/help for commands", "dim")
+    if (compiled := o.compile_note(engine, compile)) is not None:
+        session.say(f"note: {compiled}", "yellow")
     session.run(reader)
 
 
@@ -203,6 +206,10 @@ class ChatSession:
         self.messages = conversation + [{"role": "assistant", "content": result.text}]
         self.last_result = result
         self.say(_summary(result), "dim")
+        if getattr(self, "stats", False):
+            from .report import print_stats
+
+            print_stats(result, None, self.err)
         if self.timing:
             from .report import timing_table
 
@@ -230,8 +237,7 @@ class ChatSession:
         from twice.core.errors import TwiceError
 
         try:
-            return len(self.loaded.tokenizer.encode_chat(self._request_messages(conversation),
-                                                         limit=self.engine.context_length))  # sizes before tokens
+            return len(self.loaded.tokenizer.encode_chat(self._request_messages(conversation)))
         except TwiceError:
             return None
 

@@ -17,7 +17,7 @@ from twice.core.errors import PromptError
 
 from . import options as o
 from .app import app
-from .prompt_input import check_text_arguments, read_prompt
+from .prompt_input import read_prompt
 from .readout import Readout
 
 
@@ -42,6 +42,8 @@ def generate(
     truncate: o.Truncate = None,
     tp: o.TensorParallel = 1,
     timing: o.Timing = False,
+    stats: o.Stats = False,
+    threads: o.Threads = None,
     compile: o.Compile = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
                                  "timings, cache bytes, model, settings) instead of the text."),
@@ -50,9 +52,13 @@ def generate(
     """Generate a continuation of PROMPT (or a reply, in chat mode) and stream it."""
     # Bad settings fail in one line before the model loads; so does a missing prompt.
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                  truncate)
-    check_text_arguments(system=system, stop=stop)
+                  truncate, threads)
+    if no_color:
+        from .console import COLOR
+
+        COLOR["on"] = False
     text = read_prompt(prompt)
+    o.apply_threads(threads)
 
     from .distributed import finish, start
 
@@ -63,15 +69,16 @@ def generate(
                               "the processes); to spread many prompts over processes, use twice batch")
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
-                  truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0)
+                  truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats)
     finally:
         finish(launch)
 
 
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
-              no_color, shard, quiet: bool) -> None:
+              no_color, shard, quiet: bool, stats: bool = False) -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
+    from twice.core.device import DTYPE_NAMES
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
     from twice.weights.load import load
 
@@ -82,6 +89,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         readout.set_phase("loading", loading)
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
                       shard=shard)
+        readout.set_model(o.dtype_words(loaded), f"{loaded.device.type} {DTYPE_NAMES.get(loaded.dtype, loaded.dtype)}")
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
@@ -100,6 +108,8 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
+        if (compiled := o.compile_note(engine, compile)) is not None:
+            note(compiled)
         result = None
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):
@@ -121,6 +131,10 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         from .report import print_timing
 
         print_timing(result, loaded, no_color=no_color)
+    if stats:
+        from .report import print_stats
+
+        print_stats(result, loaded)
 
 
 def json_payload(result, loaded, settings, chat: bool, system: str | None, compiled: bool = False) -> dict:
@@ -154,6 +168,7 @@ def json_payload(result, loaded, settings, chat: bool, system: str | None, compi
             "device": result.device,
             "dtype": result.dtype,
         },
+        "dtype_reason": getattr(loaded, "dtype_reason", ""),
         "load_s": loaded.load_seconds,
         **body,
         "timings": timings,

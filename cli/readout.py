@@ -22,18 +22,30 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from .console import COLOR
+from .console import make_console
 from .format import human_bytes, short_bytes
 
 REFRESH_SECONDS = 0.25  # at most 4 redraws a second while tokens stream
 RATE_WINDOW = 32  # tokens in the rolling decode rate
+# How the status line gives way in a narrow terminal, step by step until it fits: first
+# the compact forms, then the least important fields dropped (the phase is never dropped).
+# Worst case measured (12,345-token prompt, 12,000 reused, 1,234 generated, 119 MiB of KV):
+# everything at 191 columns; at 120 (118 used) all but the reused count, the per-token KV bytes
+# and the dtype, compact; at 100 also without the prefill rate and the allocated KV; at 80 the
+# phase, TTFT, tok/s, tokens generated, KV in use and the share of the context.
+STATUS_STEPS = (
+    ("dtype", "short"), ("kv", "short"), ("per_token", "short"), ("context", "short"), ("ttft", "short"),
+    ("prompt", "short"), ("prefill", "short"), ("detail", "drop"), ("per_token", "drop"), ("dtype", "drop"),
+    ("prompt", "short"), ("rate", "short"), ("kv", "short"), ("prefill", "drop"), ("prompt", "drop"),
+    ("kv", "drop"), ("context", "drop"), ("ttft", "drop"), ("rate", "drop"), ("generated", "drop"),
+)
 
 
 class Readout:
     def __init__(self, show_text: bool = True, live: bool | None = None, stream=None, no_color: bool = False):
         self.stream = stream or sys.stdout
         self.show_text = show_text
-        self.no_color = True if (no_color or not COLOR["on"]) else None  # None: rich reads NO_COLOR
+        self.no_color = no_color  # also NO_COLOR and --no-color everywhere: see console.make_console
         out_tty = _isatty(self.stream)
         err_tty = _isatty(sys.stderr)
         # live=None: automatic (a status line wherever there is a terminal); False: none.
@@ -41,9 +53,8 @@ class Readout:
         self.live_on_stdout = want_live and show_text and out_tty
         self.console: Console | None = None
         if want_live and (self.live_on_stdout or err_tty):
-            self.console = Console(file=self.stream if self.live_on_stdout else sys.stderr,
-                                   no_color=self.no_color,
-                                   highlight=False, emoji=False, markup=False)
+            self.console = make_console(self.no_color, file=self.stream if self.live_on_stdout else sys.stderr,
+                                        emoji=False, markup=False)
         self.live: Live | None = None
         self.partial = ""  # text not yet shown (live on stdout): completed lines, then the open line
         self.phase = "loading"
@@ -53,6 +64,7 @@ class Readout:
         self.generated = 0
         self.cache = None
         self.context_length = 0
+        self.dtype: tuple[str, ...] = ()  # forms of "cpu bfloat16 (why)", shown last (set_model)
         self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, tokens) for a rolling rate
         self._last_draw = 0.0
         self.draws = 0  # how many times the status was drawn (tests check it stays small)
@@ -88,6 +100,11 @@ class Readout:
         self.phase, self.detail = phase, detail
         self._draw(force=True)
 
+    def set_model(self, where: str, short: str = "") -> None:
+        """Where the model runs, in what and why ("cpu bfloat16 (auto: this CPU has AVX-512
+        BF16)"; `short`: "cpu bfloat16"), shown at the end of the status line while it fits."""
+        self.dtype = (where, short) if short and short != where else (where,)
+
     def note(self, message: str, style: str = "yellow") -> None:
         """A one-line message on stderr that does not disturb the status line."""
         line = Text("note: ", style=style) + Text(message)
@@ -97,7 +114,7 @@ class Readout:
             self._flush_lines()
             self.live.console.print(line, soft_wrap=True)
             return
-        Console(stderr=True, no_color=self.no_color, highlight=False).print(line, soft_wrap=True)
+        make_console(self.no_color, stderr=True).print(line, soft_wrap=True)
 
     def on_event(self, event) -> None:
         kind = type(event).__name__
@@ -165,38 +182,55 @@ class Readout:
         return True
 
     def status_text(self, width: int | None = None) -> str:
-        """The status line; in its short form when the long one is wider than `width`."""
-        parts = self._status_parts()
-        text = " · ".join(long for long, _ in parts)
-        if width is not None and cell_len(text) > width:
-            text = " │ ".join(short for _, short in parts)
-        return text
+        """The status line, fitted to `width` columns: every field in its longest form when
+        that fits; else STATUS_STEPS in order (shorten a field to its next form, or drop
+        it) until it fits, so that what is shown is whole, never cut to `ctx …`: the least
+        important fields go first, the phase, tokens/s and tokens generated last."""
+        parts = dict(self._status_parts())
 
-    def _status_parts(self) -> list[tuple[str, str]]:
-        """(long, short) forms of each field."""
-        parts = [(self.phase, self.phase)]
+        def text() -> str:
+            return " · ".join(forms[0] for forms in parts.values())
+
+        for key, action in STATUS_STEPS:
+            if width is None or cell_len(text()) <= width:
+                break
+            if key not in parts:
+                continue
+            if action == "drop":
+                del parts[key]
+            elif len(parts[key]) > 1:
+                parts[key] = parts[key][1:]
+        return text()
+
+    def _status_parts(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(field, its forms from the longest to the shortest), in display order."""
+        parts: list[tuple[str, tuple[str, ...]]] = [("phase", (self.phase,))]
         if self.detail:
-            parts.append((self.detail, self.detail))
+            parts.append(("detail", (self.detail,)))
         if self.prompt_tokens:
-            reused = f" ({self.reused:,} reused)" if self.reused else ""
-            parts.append((f"prompt {self.prompt_tokens:,} tok{reused}", f"prompt {self.prompt_tokens:,}{reused}"))
+            n, reused = f"{self.prompt_tokens:,}", f" ({self.reused:,} reused)" if self.reused else ""
+            parts.append(("prompt", (f"prompt {n} tok{reused}", f"prompt {n}{reused}", f"prompt {n}")))
         if self.ttft is not None:
-            parts.append((f"TTFT {self.ttft * 1000:,.0f} ms", f"TTFT {self.ttft * 1000:,.0f}ms"))
+            ms = f"{self.ttft * 1000:,.0f}"
+            parts.append(("ttft", (f"TTFT {ms} ms", f"TTFT {ms}ms")))
         if self.prefill_tps:
-            parts.append((f"prefill {self.prefill_tps:,.0f} tok/s", f"pf {self.prefill_tps:,.0f} t/s"))
+            parts.append(("prefill", (f"prefill {self.prefill_tps:,.0f} tok/s", f"prefill {self.prefill_tps:,.0f}/s")))
         rate = self.decode_rate()
         if rate:
-            parts.append((f"decode {rate:,.1f} tok/s", f"dec {rate:,.1f} t/s"))
+            parts.append(("rate", (f"decode {rate:,.1f} tok/s", f"{rate:,.1f} tok/s")))
         if self.generated:
-            parts.append((f"{self.generated:,} generated", f"{self.generated:,} generated"))
+            parts.append(("generated", (f"{self.generated:,} generated",)))
         if self.cache is not None:
             c = self.cache
-            parts.append((f"KV {human_bytes(c.bytes_in_use)} / {human_bytes(c.bytes_allocated)}",
-                          f"KV {short_bytes(c.bytes_in_use)}/{short_bytes(c.bytes_allocated)}"))
-            parts.append((f"{human_bytes(c.bytes_per_token)}/tok", f"{short_bytes(c.bytes_per_token)}/t"))
+            parts.append(("kv", (f"KV {human_bytes(c.bytes_in_use)} / {human_bytes(c.bytes_allocated)}",
+                                 f"KV {short_bytes(c.bytes_in_use)}/{short_bytes(c.bytes_allocated)}",
+                                 f"KV {short_bytes(c.bytes_in_use)}")))
+            parts.append(("per_token", (f"{human_bytes(c.bytes_per_token)}/tok", f"{short_bytes(c.bytes_per_token)}/tok")))
             if self.context_length:
                 pct = f"{100 * c.tokens / self.context_length:.1f}%"
-                parts.append((f"context {pct}", f"ctx {pct}"))
+                parts.append(("context", (f"context {pct}", f"ctx {pct}")))
+        if self.dtype:
+            parts.append(("dtype", self.dtype))
         return parts
 
     def decode_rate(self) -> float | None:
