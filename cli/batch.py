@@ -10,6 +10,7 @@ skips the ids already written and appends the rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -24,9 +25,10 @@ from twice.core.errors import PromptError, TwiceError
 from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
-from .batch_output import NullWriter, OutputState, Writer, check_output
+from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
+                           scan_output)
 from .console import COLOR, err_console
-from .distributed import all_ok, finish, merge_parts, my_share, part_path, start
+from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
 from .format import human_bytes, seconds
 
@@ -396,6 +398,9 @@ def batch(
 ):
     if no_color:
         COLOR["on"] = False
+    from .prompt_input import check_text_arguments
+
+    check_text_arguments(system=system, stop=stop)
     o.apply_threads(threads)
     if batch_size is not None and batch_size < 1:
         raise PromptError(f"--batch-size must be at least 1, got {batch_size}")
@@ -403,13 +408,16 @@ def batch(
         raise PromptError(f"--format must be txt or jsonl, got {input_format!r}")
     launch, shard = start(device, tp)
     data_parallel = launch.world > 1 and not shard.active
+    locks = contextlib.ExitStack()  # the output's (and parts') locks, held to the end of the run
     try:
         failure, merge = None, None
         try:
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
                                         input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                         stop, prefill_chunk), stats=stats)
+                                         stop, prefill_chunk), stats=stats, locks=locks)
+        except _RefusedEverywhere:
+            raise  # every rank knows already, and none has started
         except TwiceError as e:
             if not data_parallel:
                 raise
@@ -421,14 +429,72 @@ def batch(
                                  "the same command with --resume continues)")
             if launch.rank == 0 and merge is not None:
                 final_path, records = merge
-                lines = merge_parts(final_path, records, launch.world)
+                lines = merge_parts(final_path, records)
                 _say(f"merged the parts of {launch.world} ranks into {final_path} ({_count(lines, 'line')})")
     finally:
+        locks.close()
         finish(launch)
 
 
+class _RefusedEverywhere(TwiceError):
+    """A data-parallel run that could not take its locks: every rank raises it together."""
+
+
+def _claim(launch, data_parallel: bool, output: str | None, locks: contextlib.ExitStack) -> None:
+    """The locks, taken before anything is read: one process locks the output; in a
+    data-parallel run rank 0 locks the output and every rank its own part, and every rank
+    learns whether all got theirs before any starts work."""
+    failure = None
+    try:
+        if output not in (None, "-"):
+            path = precheck_output(output)
+            if not data_parallel or launch.rank == 0:
+                hold_output(path, locks)
+            if data_parallel:
+                part = part_path(path, launch.rank, launch.world)
+                precheck_output(str(part))
+                hold_output(part, locks)
+    except TwiceError as e:
+        if not data_parallel:
+            raise
+        failure = e
+    if data_parallel:
+        failures = all_ok(launch, failure)
+        if failures:
+            raise _RefusedEverywhere("; ".join(failures))
+
+
+def _earlier_parts(out_path: Path | None, resume: bool, locks: contextlib.ExitStack, launch,
+                   data_parallel: bool) -> list[Path]:
+    """The part files an interrupted data-parallel run left beside the output (of any
+    number of ranks). They need --resume. One process locks them all (it merges them into
+    the output before it starts); a data-parallel rank gets those of a run of another size
+    (read as done, merged by rank 0 at the end), its own run's being its ranks' business."""
+    if out_path is None:
+        return []
+    parts = find_parts(out_path)
+    if parts and not resume:
+        raise PromptError(f"{parts[0][0]} already exists; pass --resume to continue the data-parallel run that "
+                          "left it (or choose another --output file)")
+    if data_parallel:
+        return [path for path, _, world in parts if world != launch.world]
+    for path, _, _ in parts:
+        precheck_output(str(path))
+        hold_output(path, locks)
+    return [path for path, _, _ in parts]
+
+
+def _done_in(parts: list[Path]) -> set[str]:
+    done: set[str] = set()
+    for path in parts:
+        data, _ = read_ours(path)
+        done |= scan_output(data, str(path)).done
+    return done
+
+
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
-                        model, revision, device, dtype, chat, system, timing, compile, settings, stats=False):
+                        model, revision, device, dtype, chat, system, timing, compile, settings,
+                        locks=None, stats=False):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -436,7 +502,12 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     if data_parallel and output in (None, "-"):
         raise PromptError("twice batch under torchrun without --tp splits the prompts across ranks and "
                           "needs --output FILE.jsonl (each rank writes a part, rank 0 merges them)")
+    locks = locks if locks is not None else contextlib.ExitStack()
+    _claim(launch, data_parallel, output, locks)  # before reading what is done
     out_path, state = check_output(output, resume)
+    parts = _earlier_parts(out_path, resume, locks, launch, data_parallel)
+    if state.existing and launch.rank == 0:
+        _say(f"note: {output}: continuing ({_count(len(state.done), 'result')} of an earlier run kept)")
     name, text, fmt = read_input(input, input_format)
     records, errors = parse_input(text, fmt)
     if launch.rank == 0:
@@ -447,11 +518,16 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         raise PromptError(f"{name} holds no prompts")
     if not records:
         raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {name} are bad")
+    if parts and not data_parallel:  # an interrupted data-parallel run's results join the output first
+        lines = merge_parts(out_path, records, parts)
+        _say(f"note: merged {_count(len(parts), 'part file')} of an interrupted data-parallel run into {output} "
+             f"({_count(lines, 'line')})")
+        out_path, state = check_output(output, resume)
     mine, done, merge = records, state.done, None
     if data_parallel:  # this rank's share goes to its own part file
         merge = (out_path, records)
         mine = my_share(records, launch.rank, launch.world)
-        final_done = state.done
+        final_done = state.done | _done_in(parts)  # parts of a run of another size: merged at the end
         out_path, state = check_output(str(part_path(out_path, launch.rank, launch.world)), resume)
         done = final_done | state.done
     todo = [r for r in mine if r.key not in done]

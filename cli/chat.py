@@ -82,6 +82,9 @@ def chat(
 
     if no_color:
         COLOR["on"] = False
+    from .prompt_input import check_text_arguments
+
+    check_text_arguments(system=system, stop=stop)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
@@ -237,7 +240,8 @@ class ChatSession:
         from twice.core.errors import TwiceError
 
         try:
-            return len(self.loaded.tokenizer.encode_chat(self._request_messages(conversation)))
+            return len(self.loaded.tokenizer.encode_chat(self._request_messages(conversation),
+                                                         limit=self.engine.context_length))  # sizes before tokens
         except TwiceError:
             return None
 

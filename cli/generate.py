@@ -17,7 +17,7 @@ from twice.core.errors import PromptError
 
 from . import options as o
 from .app import app
-from .prompt_input import read_prompt
+from .prompt_input import check_text_arguments, read_prompt
 from .readout import Readout
 
 
@@ -57,6 +57,7 @@ def generate(
         from .console import COLOR
 
         COLOR["on"] = False
+    check_text_arguments(system=system, stop=stop)
     text = read_prompt(prompt)
     o.apply_threads(threads)
 
