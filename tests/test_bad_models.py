@@ -134,6 +134,7 @@ def test_missing_folder(capsys, tmp_path):
     assert r.code == 2 and "no such folder" in r.err
 
 
+@pytest.mark.slow
 def test_hub_id_offline_and_not_cached(tmp_path):
     r = run_subprocess(["generate", "hi", "--model", "someorg/somemodel"],
                        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
@@ -159,6 +160,7 @@ def test_hub_id_resolves_from_the_local_cache(model_dirs, tmp_path, monkeypatch)
     assert resolve("someorg/tiny") == snap
 
 
+@pytest.mark.slow
 def test_traceback_only_with_debug(model_dirs, tmp_path):
     folder = copy_model(model_dirs, tmp_path)
     break_truncate(folder)

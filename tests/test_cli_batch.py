@@ -230,6 +230,7 @@ def test_resume_after_a_complete_run_repeats_nothing(tmp_path, capsys, llama):
     assert "nothing to do" in r.err and dst.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_and_torn_write(tmp_path, capsys, llama):
     src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
     n_prompts = 40
@@ -340,6 +341,7 @@ def test_help_documents_the_batch_size_rule(capsys):
     assert "25%" in text and "64" in text and "completion order" in text
 
 
+@pytest.mark.slow
 def test_compile_gives_the_same_lines(tmp_path, capsys, model_dirs):
     """--compile: the same completions as the eager layers (GPT-2: no native step), rows
     of different lengths finishing at different steps."""

@@ -105,6 +105,7 @@ def copy_model(model_dirs, tmp_path, name="model"):
 USER = ["Hello there", "How are you today?", "Tell me about caches."]
 
 
+@pytest.mark.slow
 def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
     folder = model_dirs("llama")
     child = spawn(folder, tmp_path, "-n", "8", "--temperature", "0")
@@ -143,6 +144,7 @@ def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
     leave(child)
 
 
+@pytest.mark.slow
 def test_multiline_input_system_and_commands(model_dirs, tmp_path):
     folder = model_dirs("llama")
     child = spawn(folder, tmp_path, "-n", "4", "--temperature", "0")
@@ -179,6 +181,7 @@ def test_multiline_input_system_and_commands(model_dirs, tmp_path):
     assert (tmp_path / "cache" / "chat_history").is_file()  # the default history file
 
 
+@pytest.mark.slow
 def test_ctrl_c_cuts_the_reply_and_keeps_the_session(model_dirs, tmp_path):
     # A long context so that the reply is still running when Ctrl-C arrives (a greedy
     # reply of this random model does not end by itself for thousands of tokens).
@@ -297,6 +300,7 @@ def test_model_without_chat_template(model_dirs, tmp_path, capsys, monkeypatch):
     assert "no chat template" in r.err and len(r.err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_compile_gives_the_same_replies(model_dirs, capsys, monkeypatch):
     """--compile (the torch.compile'd step; GPT-2 has no native one): the same greedy
     replies over two turns as the eager layers, the second reusing the cache."""

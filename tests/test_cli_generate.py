@@ -513,6 +513,7 @@ def _check_clean(data: str, text: str) -> None:
     assert visible("".join(screen)) == visible(text)
 
 
+@pytest.mark.slow
 def test_on_a_terminal_the_status_line_shows_then_disappears(llama, piped, tmp_path):
     d, _ = piped
     data = _spawn(sys.executable, ["-c", "from twice.cli.app import main; main()", "generate", "Hello world",
@@ -521,6 +522,7 @@ def test_on_a_terminal_the_status_line_shows_then_disappears(llama, piped, tmp_p
     assert data.endswith("\r\n")
 
 
+@pytest.mark.slow
 def test_stdout_piped_stderr_terminal_status_on_stderr_then_gone(llama, piped, tmp_path):
     d, _ = piped
     out = tmp_path / "out.txt"

@@ -10,6 +10,9 @@ from twice.weights.load import load
 
 FAMILIES = ["llama3", "qwen3", "mistral", "gpt2"]  # tied+llama3 rope, q/k norm, sliding window, learned positions
 
+# torch.compile: seconds a test; outside the default run, in CI (README: -m '').
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_decode_matches_eager(model_dirs, family):

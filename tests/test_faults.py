@@ -33,6 +33,9 @@ from clirun import run_inprocess
 
 pexpect = pytest.importorskip("pexpect")
 
+# Real processes, signals and terminals: outside the default run, in CI (README: -m '').
+pytestmark = pytest.mark.slow
+
 TWICE = [sys.executable, "-c", "from twice.cli.app import main; main()"]
 PROMPT_PIECE = "The quick brown fox jumps over the lazy dog. "
 PROMPT = ">>>"

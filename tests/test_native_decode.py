@@ -139,6 +139,7 @@ def test_native_gemm_equals_matmul(dtype, rows, out, n):
     assert torch.allclose(y, x.float() @ w.float().T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_kernels_never_load_from_a_folder_others_can_write(tmp_path, monkeypatch):
     """A shared, group/world-writable cache: the library is built in a private temporary
     folder instead, and still works; the planted file is never loaded."""
@@ -172,6 +173,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_anything_is_written(mo
 
 
 @pytest.mark.parametrize("march,needs", [("x86-64-v3", "avx2"), ("skylake-avx512", "avx512f")])
+@pytest.mark.slow
 def test_builds_for_older_cpus_compute_the_same(model_dirs, march, needs):
     """The paths a CPU without AVX-512 BF16 (or without AVX-512) runs: a library built for
     that instruction set, on this machine, against eager — batched, both dtypes."""

@@ -13,6 +13,9 @@ import torch
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.load import load
 
+# torchrun launches several processes a test: outside the default run, in CI (README: -m '').
+pytestmark = pytest.mark.slow
+
 WORKER = r"""
 import json, os, sys, torch
 import torch.distributed as dist
