@@ -168,8 +168,11 @@ def test_generate_ctrl_c_during_prefill_restores_the_terminal(long_model, tmp_pa
 def test_generate_ctrl_c_during_decode_keeps_the_text_so_far(long_model, tmp_path):
     proc = start(["generate", "Tell me a story.", "--model", long_model, "--raw", "-n", "4000", "--temperature", "0"],
                  tmp_path)
-    first = proc.stdout.read(1)  # text streams as it is generated: decoding has begun
-    time.sleep(0.3)
+    first = b""
+    while len(first) <= 20:  # text streams as it is generated: decoding is under way
+        chunk = proc.stdout.read1(64)
+        assert chunk, f"stdout closed early: {proc.stderr.read().decode()[-2000:]}"
+        first += chunk
     elapsed, out, err = signal_and_wait(proc)
     assert proc.returncode == 130 and err.strip().endswith("twice: interrupted"), err
     assert_quiet(err)
