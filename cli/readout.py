@@ -79,7 +79,8 @@ class Readout:
         if self.console is not None:
             self.live = Live(_Dynamic(self), console=self.console, transient=True, auto_refresh=False,
                              redirect_stdout=False, redirect_stderr=False)
-            self.live.start()
+            with signals_held():
+                self.live.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,9 +88,10 @@ class Readout:
 
     def close(self) -> None:
         if self.live is not None:
-            self._flush_lines()
-            live, self.live = self.live, None
-            live.stop()  # erases the status line (transient)
+            with signals_held():
+                self._flush_lines()
+                live, self.live = self.live, None
+                live.stop()  # erases the status line (transient)
         if self.partial:
             self.stream.write(self.partial)
             self.partial = ""
@@ -107,12 +109,15 @@ class Readout:
 
     def note(self, message: str, style: str = "yellow") -> None:
         """A one-line message on stderr that does not disturb the status line."""
-        line = Text("note: ", style=style) + Text(message)
+        from .errors import printable  # notes may quote files' contents: never raw escapes
+
+        line = Text("note: ", style=style) + Text(printable(message))
         if self.live is not None and (not self.live_on_stdout or _isatty(sys.stderr)):
             # Above the live region, on the terminal it is drawn on (writing to the same
             # terminal through another stream would tear the region).
-            self._flush_lines()
-            self.live.console.print(line, soft_wrap=True)
+            with signals_held():
+                self._flush_lines()
+                self.live.console.print(line, soft_wrap=True)
             return
         make_console(self.no_color, stderr=True).print(line, soft_wrap=True)
 
@@ -155,9 +160,10 @@ class Readout:
         if force or now - self._last_draw >= REFRESH_SECONDS:
             self._last_draw = now
             self.draws += 1
-            if self._flush_lines():
-                return  # printing above the live region redrew it already
-            self.live.refresh()
+            with signals_held():  # a draw is whole or not at all (see signals_held)
+                if self._flush_lines():
+                    return  # printing above the live region redrew it already
+                self.live.refresh()
 
     def _flush_lines(self) -> bool:
         """Print the completed lines (and whole terminal rows of a line too long for the
@@ -257,6 +263,70 @@ class _Dynamic:
 
     def __rich__(self):
         return self.readout._render()
+
+
+class signals_held:
+    """Ctrl-C, SIGTERM and SIGHUP wait while the live region is drawn, and act right after.
+
+    A draw is one terminal write of rich's buffer (erase the region, the completed lines,
+    the region again), and rich empties its buffer only after the write returns. A signal
+    handled inside that write (most likely when the terminal is slow to take it) raised
+    KeyboardInterrupt there: the buffer kept what had already reached the terminal and the
+    next draw (the one that closes the readout) wrote it again, so the completed lines of
+    the reply appeared twice (or a region erased by the wrong height swallowed some). Here
+    the first signal is noted and delivered to its own handler when the draw is over; a
+    second one, should the terminal not take the text at all, is delivered at once."""
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __enter__(self) -> "signals_held":
+        import signal
+        import threading
+
+        self.saved: dict = {}
+        self.pending: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.NAMES:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            handler = signal.getsignal(signum)
+            if handler in (signal.SIG_IGN, None):  # ignored, or not set from Python: leave it
+                continue
+            self.saved[signum] = handler
+            signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.pending.append(signum)
+        if len(self.pending) > 1:  # asked twice: stop waiting for the terminal
+            self._restore()
+            self._deliver()
+
+    def _restore(self) -> None:
+        import signal
+
+        saved, self.saved = self.saved, {}
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        self.handlers = saved
+
+    def _deliver(self) -> None:
+        import os
+        import signal
+
+        pending, self.pending = self.pending, []
+        for signum in dict.fromkeys(pending):
+            handler = self.handlers.get(signum)
+            if callable(handler):
+                handler(signum, None)  # KeyboardInterrupt, or Terminated (cli/errors.py)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+        self._deliver()
 
 
 def cell_len(text: str) -> int:
