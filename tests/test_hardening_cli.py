@@ -172,6 +172,7 @@ def test_an_invalid_auto_dtype_pin_is_one_line(capsys, monkeypatch, llama, comma
 
 
 # -- item 13: --version and completion ---------------------------------------------------------------
+@pytest.mark.slow  # a real process / the native kernels' build
 def test_version_is_the_package_version_without_importing_torch():
     from importlib.metadata import version
 
@@ -183,6 +184,7 @@ def test_version_is_the_package_version_without_importing_torch():
     assert p.stdout.splitlines() == [f"twice {version('twice')}", "no torch"]
 
 
+@pytest.mark.slow  # a real process / the native kernels' build
 def test_completion_is_typers(capsys):
     r = run_inprocess(["--help"], capsys)
     assert "--install-completion" in r.out and "--show-completion" in r.out
@@ -370,6 +372,7 @@ def test_compile_note_names_what_runs_instead():
     assert compile_note(engine("native"), False) is None
 
 
+@pytest.mark.slow  # a real process / the native kernels' build
 def test_compile_with_the_native_step_says_so_once(capsys, llama):
     from twice.core import kernels
 
