@@ -437,28 +437,28 @@ def batch(
 
 
 class _RefusedEverywhere(TwiceError):
-    """A data-parallel run that could not take its locks: every rank raises it together."""
+    """A run under torchrun that could not take its locks: every rank raises it together."""
 
 
 def _claim(launch, data_parallel: bool, output: str | None, locks: contextlib.ExitStack) -> None:
-    """The locks, taken before anything is read: one process locks the output; in a
-    data-parallel run rank 0 locks the output and every rank its own part, and every rank
-    learns whether all got theirs before any starts work."""
+    """The locks, taken before anything is read: rank 0 (one process, or the writer of a
+    tensor-parallel run) locks the output; in a data-parallel run every rank also locks its
+    own part. Under torchrun every rank learns whether all got theirs before any starts."""
     failure = None
     try:
         if output not in (None, "-"):
             path = precheck_output(output)
-            if not data_parallel or launch.rank == 0:
+            if launch.rank == 0:
                 hold_output(path, locks)
             if data_parallel:
                 part = part_path(path, launch.rank, launch.world)
                 precheck_output(str(part))
                 hold_output(part, locks)
     except TwiceError as e:
-        if not data_parallel:
+        if launch.world == 1:
             raise
         failure = e
-    if data_parallel:
+    if launch.world > 1:
         failures = all_ok(launch, failure)
         if failures:
             raise _RefusedEverywhere("; ".join(failures))
@@ -478,6 +478,9 @@ def _earlier_parts(out_path: Path | None, resume: bool, locks: contextlib.ExitSt
                           "left it (or choose another --output file)")
     if data_parallel:
         return [path for path, _, world in parts if world != launch.world]
+    if parts and launch.world > 1:  # tensor parallel: every rank would merge; refused alike on every rank
+        raise PromptError(f"{parts[0][0]} is a part of an interrupted data-parallel run; continue that run "
+                          "(torchrun without --tp) or run twice batch ... --resume in one process first")
     for path, _, _ in parts:
         precheck_output(str(path))
         hold_output(path, locks)

@@ -58,6 +58,7 @@ def batch(capsys, llama, *args):
 
 
 # -- batch: one lock per output --------------------------------------------------------------
+@pytest.mark.slow  # a second real process
 def test_two_resumes_at_once_the_second_refuses(tmp_path, capsys, llama):
     """The first --resume reads its prompts from a pipe the test holds open, so it holds the
     output's lock (it says so by its "continuing" line) until the test lets it go on."""
@@ -258,6 +259,7 @@ resolve.converted_gguf(Path(sys.argv[1]))
 """
 
 
+@pytest.mark.slow  # a second real process
 def test_sigkill_during_a_conversion_then_the_next_run_converts_and_cleans_up(tmp_path, monkeypatch):
     from twice.weights import resolve
     from twice.weights.paths import models_dir
