@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
