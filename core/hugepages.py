@@ -16,9 +16,9 @@ Activations are ordinary heap memory, and glibc's malloc hands freed memory back
 as soon as the heap's top exceeds a threshold that it keeps adjusting: a prefill's
 activations (megabytes per layer) were then faulted in again, page by page, layer after
 layer: 37,000 to 337,000 page faults (0.5–0.9 s of system time) in one 2,000-token
-float32 prefill of SmolLM2-135M, varying from run to run; with it, 560. `keep_freed_memory` fixes both thresholds so that freed memory
-stays in the process for the next layer and the next request (the peak is unchanged: it
-is what a prefill needs at once; the resident size no longer drops back after it).
+float32 prefill of SmolLM2-135M, varying from run to run; 560 once `keep_freed_memory`
+fixes both thresholds, so that freed memory stays in the process for the next layer and
+the next request (the resident size no longer drops back after a prefill).
 TWICE_KEEP_HEAP=0 leaves malloc as it is.
 """
 
