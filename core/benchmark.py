@@ -19,6 +19,7 @@ from .cache import KVCache
 from .config import ModelConfig, config_from_dict
 from .device import DTYPE_NAMES, synchronize
 from .engine import Done, Engine, GenerationSettings, Request
+from .hugepages import release_freed_memory
 from .model import CausalLM
 from .models import build_model
 from .native_decode import supported as native_supported
@@ -156,6 +157,10 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            # CPU models keep freed heap memory (hugepages.keep_freed_memory); handed back
+            # first, a run's activations count as added and are touched afresh, as in a new
+            # process, instead of reusing what the run before left.
+            release_freed_memory()
             _reset_rss_peak()
             self.base = _rss()
         return self

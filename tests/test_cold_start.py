@@ -24,28 +24,48 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _libc():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _layer(libc) -> int:
+    """Allocate 3 × 6 MiB, touch, free: the page faults that took."""
+    before = _faults()
+    buffers = [libc.malloc(6 << 20) for _ in range(3)]
+    for b in buffers:
+        ctypes.memset(b, 1, 6 << 20)  # first touch
+    for b in buffers:
+        libc.free(b)
+    return _faults() - before
+
+
 @linux_glibc
 def test_freed_activation_memory_is_reused_without_faulting_again(monkeypatch):
     monkeypatch.setattr(hugepages, "_KEPT", {})
     monkeypatch.delenv("TWICE_KEEP_HEAP", raising=False)
     assert hugepages.keep_freed_memory() and hugepages.keep_freed_memory()  # once; then remembered
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = _libc()
     p = libc.malloc(8 << 20)
-    libc.free(p)  # by glibc's own rule this moved its thresholds to 8 MiB (mmap) / 16 MiB (trim)
-    rounds = []
-    for _ in range(4):  # a layer's activations: 18 MiB live at once, then freed
-        before = _faults()
-        buffers = [libc.malloc(6 << 20) for _ in range(3)]
-        for b in buffers:
-            ctypes.memset(b, 1, 6 << 20)  # first touch
-        for b in buffers:
-            libc.free(b)
-        rounds.append(_faults() - before)
+    libc.free(p)  # with glibc's moving thresholds this sets them to 8 MiB (mmap) / 16 MiB (trim)
+    rounds = [_layer(libc) for _ in range(4)]  # a layer's activations: 18 MiB live at once, then freed
     # The first round may fault its 4,608 pages in; the later ones reuse them. With glibc's
     # moving thresholds every round faulted all 4,576 again (the heap's top was trimmed).
     assert max(rounds[1:]) < 500, rounds
+
+
+@linux_glibc
+def test_the_bench_hands_it_back_so_each_run_counts_and_touches_its_own_memory(monkeypatch):
+    monkeypatch.setattr(hugepages, "_KEPT", {})
+    monkeypatch.delenv("TWICE_KEEP_HEAP", raising=False)
+    assert hugepages.keep_freed_memory()
+    libc = _libc()
+    _layer(libc)
+    assert _layer(libc) < 500  # kept
+    with benchmark._PeakMemory(torch.device("cpu")):  # releases first
+        assert _layer(libc) > 4000  # touched afresh, as a new process would
 
 
 def test_turned_off_or_elsewhere_it_leaves_malloc_alone(monkeypatch):
