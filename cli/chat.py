@@ -41,8 +41,14 @@ Commands:
   /system TEXT   set the system message (/system alone shows it, /system - removes it)
   /drop N        drop the N oldest turns (user message and reply), keeping the system message
   /stats         the timing report of the last reply
-  /save FILE     write the conversation as JSON
-  /load FILE     replace the conversation with one written by /save
+  /retry         drop the last reply and generate it again (with a seed: the same reply,
+                 unless /set changed something)
+  /set           show the sampling settings; /set NAME VALUE changes one (checked as the
+                 command-line flags are): temperature, top_k, top_p, min_p,
+                 repetition_penalty, seed (none: a new draw each time), max_new_tokens
+  /save FILE     write the conversation as JSON to a new file
+  /save! FILE    the same, replacing an earlier chat file of that name
+  /load FILE     replace the conversation with one written by /save (checked whole first)
   /exit          leave"""
 
 TimingEach = Annotated[bool, typer.Option(
@@ -117,6 +123,9 @@ class ChatSession:
         self.system = system or None
         self.messages: list[dict] = []  # user/assistant messages; the system message is kept apart
         self.last_result = None
+        # Prompt tokens the last kept reply found in the cache: /retry forgets the rest so that
+        # the reply is generated again from the same state (None: let the engine decide).
+        self.last_reused: int | None = None
         self.err = err_console()
         self.interactive = False  # input has a history the user can recall (prompt-toolkit)
 
@@ -149,14 +158,76 @@ class ChatSession:
                 # A second Ctrl-C while a reply or command winds down: the conversation
                 # (only ever replaced whole) is intact, so keep the session.
                 self.say("[interrupted]", "yellow")
+            except Exception as e:  # noqa: BLE001 - no failure of one turn or command ends the chat
+                self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        """A turn or command failed with an error nothing closer handled (a tokenizer or
+        template failure, an engine error, a bug): one line, the conversation as it was
+        before that turn (it is only ever replaced whole, at the end of a turn), the KV
+        cache forgotten (it may be half written), and the chat goes on. What makes going on
+        impossible still ends it: the device failing (every later call would fail too; the
+        conversation is rescued to a file first) and standard output gone."""
+        from .errors import DEBUG
+
+        if _output_gone(e):
+            raise e
+        self.engine.reset()
+        if _device_failed(e):
+            self._end_on_device_failure(e)
+        if DEBUG["on"]:
+            import traceback
+
+            self.err.print(Text("".join(traceback.format_exception(e))), soft_wrap=True, markup=False)
+        from twice.core.errors import TwiceError
+
+        what = str(e) if isinstance(e, TwiceError) else f"{type(e).__name__}: {e}"
+        what = (what.strip().splitlines() or [type(e).__name__])[0]
+        self.error(f"{what} (the turn was not kept; the conversation is as it was before it; "
+                   f"--debug shows the traceback)")
+
+    def _end_on_device_failure(self, e: Exception) -> None:
+        """The device failed (a CUDA error poisons the process): save what the user had,
+        then end with exit 3 and one line that says where it is."""
+        from twice.core.errors import DeviceError
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = self._rescue()
+        kept = f"; the conversation is saved in {where}" if where else ""
+        raise DeviceError(f"the device failed during the chat ({first}); the chat cannot go on{kept}") from e
+
+    def _rescue(self) -> Path | None:
+        """Write the conversation to a new file in the twice cache folder (None if there is
+        nothing to keep or it cannot be written)."""
+        if not self.messages:
+            return None
+        import os
+        import time
+
+        from twice.core.paths import cache_dir
+        from twice.weights.safe_write import ensure_folder
+
+        try:
+            folder = ensure_folder(cache_dir(), what="cache folder")
+            path = folder / f"chat-rescued-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+            write_atomic(path, self._file_text())
+            return path
+        except Exception:  # noqa: BLE001 - already ending on a worse error
+            return None
 
     # -- one turn --------------------------------------------------------------------------
     def turn(self, text: str) -> None:
-        from twice.core.engine import Done, Notice, PrefillStart, Request, TokenEvent
-        from twice.core.errors import PromptError, TwiceError
+        self._reply(self.messages + [{"role": "user", "content": text}])
 
-        user = {"role": "user", "content": text}
-        conversation = self.messages + [user]
+    def _reply(self, conversation: list[dict], retry: bool = False) -> None:
+        """Generate the reply to `conversation` (which ends with the user's message) and
+        make it the conversation, with the reply, when the turn ends or is cut after some
+        text. Anything else (an error, an exception, a cut before any text) leaves
+        self.messages as it was before the turn: it is only ever replaced whole, here."""
+        from twice.core.engine import Done, Notice, PrefillStart, Request, TokenEvent
+        from twice.core.errors import PromptError, TokenizerError, TwiceError
+
+        not_kept = "nothing regenerated" if retry else "message not sent"
         events = self.engine.generate(Request(messages=self._request_messages(conversation)), self.settings)
         readout = Readout()
         pieces: list[str] = []
@@ -185,29 +256,50 @@ class ChatSession:
                 self.engine.reset()
         except PromptError as e:
             events.close()
-            self._refuse(str(e), conversation)
+            self._refuse(str(e), conversation, not_kept)
             return
         except TwiceError as e:  # the chat template fails on this conversation, ...
             events.close()
-            self.error(f"{e} (message not sent)")
+            if started or not isinstance(e, TokenizerError):
+                self.engine.reset()  # it failed while the cache was being written
+            self._end_line(pieces)
+            self.error(f"{e} ({not_kept})")
             return
         except MemoryError:
             events.close()
             self.engine.reset()
+            self._end_line(pieces)
             self.error("out of memory during the reply; the turn was not kept (/drop N or /reset frees room)")
             return
+        except BaseException:
+            events.close()
+            self._end_line(pieces)
+            raise  # run() says it in one line and goes on (or ends, for a signal)
         out = sys.stdout
         out.write("\n")
         out.flush()
         if cut:
             reply = "".join(pieces)
-            self.messages = conversation + [{"role": "assistant", "content": reply, "cut": True}]
             self.last_result = None
             new = readout.prompt_tokens - readout.reused
-            self.say(f"[reply cut] reused {readout.reused} · prefilled {new} · {len(pieces)} tokens", "yellow")
+            counts = f"reused {readout.reused} · prefilled {new} · {len(pieces)} tokens"
+            if not reply.strip():
+                # Nothing to keep: an empty assistant message would be saved and sent to the
+                # template on the next turn (and a user message without a reply makes two
+                # user messages in a row, which many templates refuse), so the turn goes.
+                if retry:
+                    self.say(f"[reply cut] before any text; the earlier reply is kept ({counts})", "yellow")
+                else:
+                    recall = "; ↑ recalls your message" if self.interactive else ""
+                    self.say(f"[reply cut] before any text; the message was not kept{recall} ({counts})", "yellow")
+                return
+            self.messages = conversation + [{"role": "assistant", "content": reply, "cut": True}]
+            self.last_reused = readout.reused
+            self.say(f"[reply cut] {counts}", "yellow")
             return
         self.messages = conversation + [{"role": "assistant", "content": result.text}]
         self.last_result = result
+        self.last_reused = result.reused_tokens
         self.say(_summary(result), "dim")
         if getattr(self, "stats", False):
             from .report import print_stats
@@ -218,13 +310,19 @@ class ChatSession:
 
             self.err.print(timing_table(result, self.loaded))
 
-    def _refuse(self, message: str, conversation: list[dict]) -> None:
+    def _end_line(self, pieces: list[str]) -> None:
+        """End the reply's line on stdout if some of it was written."""
+        if any(pieces):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def _refuse(self, message: str, conversation: list[dict], not_kept: str = "message not sent") -> None:
         """The prompt cannot be served. When the conversation outgrew the context, say what
         would make it fit; nothing is dropped without the user asking."""
         size = self._size(conversation)
         context = self.engine.context_length
         if size is None or size < context:
-            self.error(f"{message} (message not sent)")
+            self.error(f"{message} ({not_kept})")
             return
         n = self._turns_to_drop(conversation[-1])
         if n is None:
@@ -277,6 +375,7 @@ class ChatSession:
         handler = {
             "/help": self.cmd_help, "/reset": self.cmd_reset, "/system": self.cmd_system,
             "/drop": self.cmd_drop, "/stats": self.cmd_stats, "/save": self.cmd_save, "/load": self.cmd_load,
+            "/save!": lambda arg: self.cmd_save(arg, force=True), "/set": self.cmd_set, "/retry": self.cmd_retry,
         }.get(name)
         if name in ("/exit", "/quit"):
             return "exit"
@@ -292,7 +391,7 @@ class ChatSession:
 
     def cmd_reset(self, arg: str) -> None:
         self.messages = []
-        self.last_result = None
+        self.last_result = self.last_reused = None
         self.engine.reset()
         self.say("conversation cleared" + (" (the system message stays)" if self.system else ""), "dim")
 
@@ -301,6 +400,7 @@ class ChatSession:
             self.say(f"system message: {self.system!r}" if self.system else "no system message", "dim")
             return
         self.system = None if arg == "-" else arg
+        self.last_reused = None
         # The rendered prompt changes from the start, so the next turn reuses only the
         # common prefix (the engine works that out); nothing else to do here.
         self.say("system message removed" if self.system is None else "system message set", "dim")
@@ -319,6 +419,7 @@ class ChatSession:
                        f"turn{'' if len(turns) == 1 else 's'} to drop")
             return
         self.messages = [m for t in turns[n:] for m in t]
+        self.last_reused = None
         left = len(turns) - n
         self.say(f"dropped {n} turn{'' if n == 1 else 's'}; {left} left", "dim")
 
@@ -330,20 +431,24 @@ class ChatSession:
 
         self.err.print(timing_table(self.last_result, self.loaded))
 
-    def cmd_save(self, arg: str) -> None:
+    def cmd_save(self, arg: str, force: bool = False) -> None:
         if not arg:
-            self.error("usage: /save FILE")
+            self.error(f"usage: /save{'!' if force else ''} FILE")
             return
         path = Path(_unquote(arg)).expanduser()
-        data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
-                "messages": self.messages}
         try:
-            refuse_overwrite(path)
-            write_atomic(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+            replaced = path.is_file() and not path.is_symlink()
+            refuse_overwrite(path, force=force)
+            write_atomic(path, self._file_text())
         except (OSError, ValueError) as e:
             self.error(f"cannot save to {path}: {os_message(e)}")
             return
-        self.say(f"saved {len(self.messages)} messages to {path}", "dim")
+        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}", "dim")
+
+    def _file_text(self) -> str:
+        data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
+                "messages": self.messages}
+        return json.dumps(data, ensure_ascii=False, indent=1) + "\n"
 
     def cmd_load(self, arg: str) -> None:
         if not arg:
@@ -352,14 +457,122 @@ class ChatSession:
         path = Path(_unquote(arg)).expanduser()
         try:
             system, messages, model = read_conversation(path)
+            self._check_template(system, messages)
         except (OSError, ValueError) as e:
             self.error(f"cannot load {path}: {os_message(e)} (the current conversation is unchanged)")
             return
-        self.system, self.messages, self.last_result = system, messages, None
+        self.system, self.messages, self.last_result, self.last_reused = system, messages, None, None
         note = ""
         if model and model != self.loaded.name:
             note = f" (saved with {model}; continuing with {self.loaded.name})"
         self.say(f"loaded {len(messages)} messages from {path}{note}", "dim")
+
+
+    def _check_template(self, system: str | None, messages: list[dict]) -> None:
+        """A loaded conversation must be one the model's chat template can go on with (some
+        refuse two user messages in a row, or an assistant message first): render it as the
+        next turn would (a reply to its last message, or a new message after its last
+        reply) now, so that /load refuses it instead of every later turn failing."""
+        from twice.core.errors import TwiceError
+
+        probe = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not probe or probe[-1]["role"] == "assistant":
+            probe.append({"role": "user", "content": "Hello"})
+        try:
+            self.loaded.tokenizer.render_chat(_with_system(system, probe))
+        except TwiceError as e:
+            raise ValueError(f"the model's chat template cannot go on with it ({e})") from None
+
+    def cmd_retry(self, arg: str) -> None:
+        if arg:
+            self.error("usage: /retry (generates the last reply again)")
+            return
+        conversation = list(self.messages)
+        if conversation and conversation[-1]["role"] == "assistant":
+            conversation.pop()
+        if not conversation or conversation[-1]["role"] != "user":
+            self.error("nothing to retry: there is no reply yet")
+            return
+        if self.last_reused is not None:
+            # Forget the cached tokens after what the replaced reply's turn found there, so
+            # that the prompt is prefilled as it was then and, with a seed, the same settings
+            # give the same reply. (Shrinking cached_ids only ever forgets.)
+            self.engine.cached_ids = self.engine.cached_ids[:self.last_reused]
+        self._reply(conversation, retry=True)
+
+    def cmd_set(self, arg: str) -> None:
+        import dataclasses
+
+        from twice.core.errors import PromptError
+
+        s = self.settings
+        if not arg:
+            self.say(_settings_line(s), "dim")
+            return
+        parts = arg.split()
+        key = parts[0].lower().lstrip("-").replace("-", "_") if parts else ""
+        if len(parts) != 2 or key not in SETTABLE:
+            self.error(f"usage: /set NAME VALUE, NAME one of {', '.join(SETTABLE)} (/set alone shows them)")
+            return
+        text = parts[1]
+        kind = SETTABLE[key]
+        try:
+            if key == "seed" and text.lower() in ("none", "off", "-"):
+                value = None
+            else:
+                value = kind(text)
+        except ValueError:
+            self.error(f"/set {key}: {'a whole number' if kind is int else 'a number'} is needed, got {text!r}")
+            return
+        try:
+            o.check_flags(**{key: value})  # exactly the command-line flags' checks
+            if key == "max_new_tokens":
+                settings = dataclasses.replace(s, max_new_tokens=value)
+            else:
+                settings = dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, **{key: value}))
+        except PromptError as e:
+            self.error(f"/set {key}: {e}")
+            return
+        before = _setting(s, key)
+        self.settings = settings
+        self.say(f"{key} {_setting(settings, key)} (was {before})", "dim")
+        if key in ("top_k", "top_p", "min_p", "seed") and settings.sampling.temperature == 0:
+            self.say(f"note: {key} has no effect with greedy decoding (temperature 0)", "yellow")
+
+
+# -- settings and failures ----------------------------------------------------------------
+SETTABLE = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
+            "seed": int, "max_new_tokens": int}
+
+
+def _setting(settings, key: str):
+    value = settings.max_new_tokens if key == "max_new_tokens" else getattr(settings.sampling, key)
+    return "none" if value is None else value
+
+
+def _settings_line(settings) -> str:
+    line = " · ".join(f"{key} {_setting(settings, key)}" for key in SETTABLE)
+    return line + (" (greedy)" if settings.sampling.temperature == 0 else "")
+
+
+def _output_gone(e: Exception) -> bool:
+    """Standard output (or the terminal) can no longer take the replies: the chat ends."""
+    import errno
+
+    gone = (errno.EPIPE, errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENXIO)
+    return isinstance(e, BrokenPipeError) or (isinstance(e, OSError) and e.filename is None and e.errno in gone)
+
+
+_DEVICE_FAILURES = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS", "illegal memory access",
+                    "unspecified launch failure", "NCCL error", "HIP error")
+
+
+def _device_failed(e: Exception) -> bool:
+    """An error after which the device cannot be used again in this process (a CUDA
+    error is sticky: every later call fails too). Out of memory is not one of them."""
+    if type(e).__name__ == "AcceleratorError":  # torch >= 2.8 raises this for CUDA errors
+        return True
+    return isinstance(e, RuntimeError) and any(word in str(e) for word in _DEVICE_FAILURES)
 
 
 # -- conversation helpers -----------------------------------------------------------------

@@ -137,7 +137,7 @@ def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
     assert prefilled == len(tok.encode_chat(messages + [{"role": "user", "content": "And then?"}]))
 
     command(child, "/drop 3", "dropped 3 turns; 1 left")
-    command(child, f"/save {saved}", "saved 2 messages")
+    command(child, f"/save! {saved}", "saved 2 messages")  # /save! replaces the earlier file
     data = json.loads(saved.read_text())
     assert [m["content"] for m in data["messages"]][0] == "And then?"
     assert not list(tmp_path.glob(".conversation.json.*"))  # the atomic write left no temp file

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import textwrap
 import pytest
 
 from clirun import run_inprocess
+from tiny import set_json
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -86,6 +89,7 @@ READOUT_CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a real process on a pseudo-terminal (0.5 s)
 def test_ctrl_c_inside_a_terminal_write_never_repeats_the_reply(tmp_path):
     """Ctrl-C while the terminal is taking a draw of the live readout (a slow terminal, a
     slow step's draw): the reply's first line reaches the terminal once. Before, rich kept
@@ -112,3 +116,365 @@ def test_ctrl_c_inside_a_terminal_write_never_repeats_the_reply(tmp_path):
     child.close()
     assert b"[interrupted]" in output  # Ctrl-C still acts: right after the draw
     assert output.count(b"FIRST-LINE") == 1, output
+
+
+# -- helpers for the scripted REPL ---------------------------------------------------------
+SUMMARY = re.compile(r"reused (\d+) · prefilled (\d+) · (\d+) tokens")
+
+
+def chat(capsys, monkeypatch, folder, lines: list[str], *flags: str):
+    """`twice chat` in this process, its standard input the given lines (greedy, 4 tokens)."""
+    script = "\n".join(lines) + "\n"
+    return run_inprocess(["chat", "--model", str(folder), "-n", "4", "--temperature", "0", *flags], capsys,
+                         script.encode(), monkeypatch)
+
+
+def errors(r) -> list[str]:
+    return [line for line in r.err.splitlines() if line.startswith("error:")]
+
+
+def saved(path) -> list[dict]:
+    return json.loads(path.read_text())["messages"]
+
+
+def turns(r) -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m.groups())) for m in SUMMARY.finditer(r.err)]
+
+
+def copy_model(model_dirs, tmp_path, **tokenizer_config):
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs("llama"), folder)
+    if tokenizer_config:
+        set_json(folder / "tokenizer_config.json", **tokenizer_config)
+    return folder
+
+
+# -- /load: checked whole, the conversation untouched on any problem ---------------------------
+def _deep(path):
+    path.write_text('{"version": 1, "messages": [{"role": "user", "content": "hi", "x": ' + "[" * 100_000
+                    + "]" * 100_000 + "}]}")
+    return "nested more than 64 levels deep"
+
+
+def _surrogate_in_content(path):
+    path.write_text('{"version": 1, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}')
+    return r"messages[0].content holds a lone surrogate (\ud800 at character 3)"
+
+
+def _surrogate_in_system(path):
+    path.write_text('{"version": 1, "system": "\\udfff", "messages": []}')
+    return "'system' holds a lone surrogate"
+
+
+def _surrogate_in_model(path):
+    path.write_text('{"version": 1, "model": "m\\ud83d", "messages": []}')
+    return "'model' holds a lone surrogate"
+
+
+def _fifo(path):
+    os.mkfifo(path)
+    return "not a regular file"
+
+
+def _folder(path):
+    path.mkdir()
+    return "it is a folder"
+
+
+def _too_big(path):
+    from twice.cli.conversation_file import MAX_FILE_BYTES
+
+    with open(path, "wb") as f:  # sparse: its size is refused before anything is read
+        f.truncate(MAX_FILE_BYTES + 1)
+    return "more than the 16,777,216 twice reads"
+
+
+def _too_many_messages(path):
+    from twice.cli.conversation_file import MAX_MESSAGES
+
+    path.write_text(json.dumps({"version": 1, "messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)}))
+    return "100,001 messages, more than the 100,000 /load takes"
+
+
+def _huge_integer(path):
+    path.write_text('{"version": 1' + "0" * 400 + ', "messages": []}')
+    return "an integer of 401 digits"
+
+
+def _nan(path):
+    path.write_text('{"version": NaN, "messages": []}')
+    return "NaN is not a JSON value"
+
+
+def _version_true(path):
+    path.write_text('{"version": true, "messages": []}')
+    return "unsupported version True"
+
+
+def _role_not_text(path):
+    path.write_text('{"version": 1, "messages": [{"role": ["user"], "content": "x"}]}')
+    return "messages[0].role must be 'user' or 'assistant', got ['user']"
+
+
+BAD_FILES = [_deep, _surrogate_in_content, _surrogate_in_system, _surrogate_in_model, _fifo, _folder, _too_big,
+             _too_many_messages, _huge_integer, _nan, _version_true, _role_not_text]
+
+
+@pytest.mark.parametrize("make", BAD_FILES, ids=[f.__name__.strip("_") for f in BAD_FILES])
+def test_load_refuses_what_would_crash_a_later_turn(model_dirs, tmp_path, capsys, monkeypatch, make):
+    """Each of these used to pass /load (or crash it) and end the session on the next
+    turn, losing the conversation; now: one line, the conversation untouched, the chat on."""
+    bad, out = tmp_path / "bad.json", tmp_path / "out.json"
+    problem = make(bad)
+    before = bad.read_bytes() if bad.is_file() else None
+    r = chat(capsys, monkeypatch, model_dirs("llama"), ["Hello there", f"/load {bad}", "How are you?", f"/save {out}"])
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    [line] = errors(r)
+    assert line.startswith(f"error: cannot load {bad}: ") and problem in line, line
+    assert line.endswith("(the current conversation is unchanged)")
+    assert len(turns(r)) == 2  # the next turn ran, on the old conversation
+    assert [m["content"] for m in saved(out)][::2] == ["Hello there", "How are you?"]
+    if before is not None:
+        assert bad.read_bytes() == before
+
+
+def test_load_refuses_a_conversation_the_template_cannot_go_on_with(model_dirs, tmp_path, capsys, monkeypatch):
+    """A template that insists on alternating roles (as Llama 2's and Mistral's do): a file
+    with two user messages in a row is refused at /load, not at every later turn."""
+    template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    folder = copy_model(model_dirs, tmp_path, chat_template=template)
+    bad, good, out = tmp_path / "bad.json", tmp_path / "good.json", tmp_path / "out.json"
+    bad.write_text(json.dumps({"version": 1, "messages": [{"role": "user", "content": "a"},
+                                                          {"role": "user", "content": "b"}]}))
+    good.write_text(json.dumps({"version": 1, "messages": [{"role": "user", "content": "a"}]}))
+    r = chat(capsys, monkeypatch, folder, ["Hello there", f"/load {bad}", f"/save {out}", f"/load {good}", "/retry"])
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    [line] = errors(r)
+    assert "the model's chat template cannot go on with it" in line and "roles must alternate" in line
+    assert len(saved(out)) == 2
+    assert "loaded 1 messages" in r.err and len(turns(r)) == 2  # a file ending with the user's message: /retry answers it
+
+
+# -- /save: never over a file unasked -------------------------------------------------------
+def test_save_replaces_only_when_asked_and_only_a_chat_file(model_dirs, tmp_path, capsys, monkeypatch):
+    chat_file, other, fifo, folder = (tmp_path / name for name in ("chat.json", "notes.txt", "fifo", "folder"))
+    other.write_text("my notes\n")
+    os.mkfifo(fifo)
+    folder.mkdir()
+    r = chat(capsys, monkeypatch, model_dirs("llama"),
+             ["Hello there", f"/save {chat_file}", "How are you?", f"/save {chat_file}", f"/save! {other}",
+              f"/save {fifo}", f"/save! {folder}", f"/save! {chat_file}", "/save!"])
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    problems = errors(r)
+    assert problems == [
+        f"error: cannot save to {chat_file}: the file exists (an earlier chat); /save! {chat_file} replaces it",
+        f"error: cannot save to {other}: the file exists and is not a twice chat file; choose another name",
+        f"error: cannot save to {fifo}: it exists and is not a regular file; choose another name",
+        f"error: cannot save to {folder}: it is a folder",
+        "error: usage: /save! FILE",
+    ]
+    assert f"saved 2 messages to {chat_file}\n" in r.err and f"saved 4 messages to {chat_file} (replaced)" in r.err
+    assert len(saved(chat_file)) == 4 and other.read_text() == "my notes\n"
+    assert "/save! FILE" in chat(capsys, monkeypatch, model_dirs("llama"), ["/help"]).err  # said in /help
+
+
+# -- a reply cut by Ctrl-C ------------------------------------------------------------------------
+def test_a_reply_cut_before_any_text_keeps_no_empty_message(model_dirs, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the prefill: the turn goes (no empty assistant message, no user message
+    left without a reply), and the next turn's prompt is the saved conversation plus its
+    message. Ctrl-C after some text: the text is kept, marked cut, and is what the next
+    prompt holds."""
+    from twice.core.engine import Engine
+    from twice.weights.tokenizer import Tokenizer
+
+    folder = model_dirs("llama")
+    real_prefill, real_step = Engine._prefill, Engine._step
+    cut = {"prefill": "Cut in the prefill", "decode": "Cut in the decode"}
+    state = {"steps": 0}
+
+    def prefill(self, tokens, cache, chunk):
+        if state["message"] == cut["prefill"]:
+            raise KeyboardInterrupt
+        return real_prefill(self, tokens, cache, chunk)
+
+    def step(self, tokens, cache, sampler):
+        state["steps"] += 1
+        if state["message"] == cut["decode"] and state["steps"] == 3:
+            raise KeyboardInterrupt
+        return real_step(self, tokens, cache, sampler)
+
+    real_render = Tokenizer.render_chat
+
+    def render_chat(self, messages, *args, **kwargs):  # each turn renders its prompt first
+        state["message"], state["steps"] = messages[-1]["content"], 0
+        return real_render(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_prefill", prefill)
+    monkeypatch.setattr(Engine, "_step", step)
+    monkeypatch.setattr(Tokenizer, "render_chat", render_chat)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    r = chat(capsys, monkeypatch, folder, ["Hello there", cut["prefill"], f"/save {first}", "Next", cut["decode"],
+                                           "Last", f"/save {second}"], "-n", "8")
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    assert "[reply cut] before any text; the message was not kept" in r.err
+    assert [m["content"] for m in saved(first)][::2] == ["Hello there"] and len(saved(first)) == 2
+    messages = saved(second)
+    assert [m["content"] for m in messages][::2] == ["Hello there", "Next", cut["decode"], "Last"]
+    partial = messages[5]
+    assert partial["role"] == "assistant" and partial["cut"] is True and partial["content"]
+    assert all(m["content"] or m["role"] == "user" for m in messages)  # no empty reply anywhere
+    # Each turn's prompt was the conversation as saved, plus its message.
+    tok = Tokenizer(folder)
+    whole = [line for line in r.err.splitlines() if "[reply cut]" not in line]
+    sizes = [int(m[1]) + int(m[2]) for m in map(SUMMARY.search, whole) if m]
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert sizes[0] == len(tok.encode_chat(plain[:1]))
+    assert sizes[1] == len(tok.encode_chat(plain[:3]))  # "Next" right after the first reply
+    assert sizes[2] == len(tok.encode_chat(plain[:7]))  # "Last" after the cut reply, as saved
+
+
+# -- no exception of a turn ends the REPL ---------------------------------------------------------
+def _tokenizer_fails(monkeypatch, folder):
+    from twice.weights.tokenizer import Tokenizer
+
+    real = Tokenizer.encode
+
+    def encode(self, text, *args, **kwargs):  # as `tokenizers` fails on a lone surrogate
+        if "CRASH" in text:
+            raise TypeError("TextInputSequence must be str")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+    return folder, "TypeError: TextInputSequence must be str"
+
+
+def _template_fails(monkeypatch, folder):
+    from tiny import CHAT_TEMPLATE
+
+    set_json(folder / "tokenizer_config.json", chat_template=(
+        "{% for m in messages %}{% if 'CRASH' in m['content'] %}{{ raise_exception('no crashing here') }}"
+        "{% endif %}{% endfor %}" + CHAT_TEMPLATE))
+    return folder, "chat template failed to render: no crashing here"
+
+
+def _engine_fails(monkeypatch, folder):
+    from twice.core.engine import Engine
+    from twice.weights.tokenizer import Tokenizer
+
+    real_step, real_render = Engine._step, Tokenizer.render_chat
+    state = {}
+
+    def render_chat(self, messages, *args, **kwargs):
+        state["crash"] = "CRASH" in messages[-1]["content"]
+        return real_render(self, messages, *args, **kwargs)
+
+    def step(self, tokens, cache, sampler):
+        if state["crash"]:
+            raise RuntimeError("boom in the middle of the reply")
+        return real_step(self, tokens, cache, sampler)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    monkeypatch.setattr(Tokenizer, "render_chat", render_chat)
+    return folder, "RuntimeError: boom in the middle of the reply"
+
+
+FAILURES = [_tokenizer_fails, _template_fails, _engine_fails]
+
+
+@pytest.mark.parametrize("failure", FAILURES, ids=[f.__name__.strip("_") for f in FAILURES])
+def test_no_exception_of_a_turn_ends_the_chat(model_dirs, tmp_path, capsys, monkeypatch, failure):
+    folder, problem = failure(monkeypatch, copy_model(model_dirs, tmp_path))
+    out = tmp_path / "out.json"
+    r = chat(capsys, monkeypatch, folder, ["Hello there", "Please CRASH now", "How are you?", f"/save {out}"])
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    [line] = errors(r)
+    assert problem in line, line
+    assert [m["content"] for m in saved(out)][::2] == ["Hello there", "How are you?"]  # as before that turn
+    assert len(saved(out)) == 4 and len(turns(r)) == 2
+
+
+def test_a_failed_device_ends_the_chat_and_rescues_the_conversation(model_dirs, tmp_path, capsys, monkeypatch):
+    """A CUDA error is sticky (every later call fails): the chat ends with exit 3 and one
+    line saying where the conversation so far was saved."""
+    from twice.core.engine import Engine
+    from twice.weights.tokenizer import Tokenizer
+
+    real_step, real_render = Engine._step, Tokenizer.render_chat
+    state = {}
+
+    def render_chat(self, messages, *args, **kwargs):
+        state["crash"] = "CRASH" in messages[-1]["content"]
+        return real_render(self, messages, *args, **kwargs)
+
+    def step(self, tokens, cache, sampler):
+        if state["crash"]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+        return real_step(self, tokens, cache, sampler)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    monkeypatch.setattr(Tokenizer, "render_chat", render_chat)
+    monkeypatch.setenv("TWICE_CACHE", str(tmp_path / "cache"))
+    r = chat(capsys, monkeypatch, model_dirs("llama"), ["Hello there", "Please CRASH now", "Never read"])
+    assert r.code == 3 and "Traceback" not in r.err, r.err
+    last = r.err.strip().splitlines()[-1]
+    assert last.startswith("twice: error: the device failed during the chat (CUDA error: an illegal memory access "
+                           "was encountered); the chat cannot go on; the conversation is saved in ")
+    [rescued] = (tmp_path / "cache").glob("chat-rescued-*.json")
+    assert last.endswith(str(rescued))
+    assert [m["content"] for m in saved(rescued)][::2] == ["Hello there"] and len(turns(r)) == 1
+
+
+# -- /set and /retry ------------------------------------------------------------------------------
+def test_set_changes_sampling_as_the_flags_would(model_dirs, tmp_path, capsys, monkeypatch):
+    from twice.cli.options import check_flags
+    from twice.core.errors import PromptError
+
+    out = tmp_path / "out.json"
+    bad = [("temperature", "-1"), ("temperature", "nan"), ("top_k", "-1"), ("top_p", "0"), ("top_p", "1.5"),
+           ("min_p", "1"), ("repetition_penalty", "0"), ("seed", "-1"), ("max_new_tokens", "0")]
+    r = chat(capsys, monkeypatch, model_dirs("llama"),
+             ["/set", "/set max_new_tokens 3", "/set top-k 5", "/set temperature 0.5", "/set seed 3", "/set seed none",
+              *(f"/set {k} {v}" for k, v in bad), "/set top_k 1.5", "/set nonsense 1", "/set top_k", "Hello there",
+              "/set"])
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    lines = r.err.splitlines()
+    shown = [line for line in lines if line.startswith("temperature ") and "·" in line]
+    assert shown[0] == ("temperature 0.0 · top_k 40 · top_p 0.95 · min_p 0.05 · repetition_penalty 1.0 · seed none · "
+                        "max_new_tokens 4 (greedy)")
+    assert shown[1] == ("temperature 0.5 · top_k 5 · top_p 0.95 · min_p 0.05 · repetition_penalty 1.0 · seed none · "
+                        "max_new_tokens 3")
+    assert "max_new_tokens 3 (was 4)" in lines and "top_k 5 (was 40)" in lines and "seed none (was 3)" in lines
+    assert "note: top_k has no effect with greedy decoding (temperature 0)" in lines  # before temperature 0.5
+    problems = errors(r)
+    for (key, value), line in zip(bad, problems):
+        kind = float if key in ("temperature", "top_p", "min_p", "repetition_penalty") else int
+        with pytest.raises(PromptError) as flag:
+            check_flags(**{key: kind(value)})
+        assert line == f"error: /set {key}: {flag.value}"  # word for word the flag's message
+    assert problems[len(bad):] == ["error: /set top_k: a whole number is needed, got '1.5'",
+                                   *["error: usage: /set NAME VALUE, NAME one of temperature, top_k, top_p, min_p, "
+                                     "repetition_penalty, seed, max_new_tokens (/set alone shows them)"] * 2]
+    assert turns(r)[0][2] == 3  # the reply took the new max_new_tokens
+
+
+def test_retry_regenerates_the_last_reply(model_dirs, tmp_path, capsys, monkeypatch):
+    """/retry replaces the last reply (the conversation keeps one); with a seed and the same
+    settings it is the same reply, with another seed another one."""
+    out = tmp_path / "out.json"
+    r = chat(capsys, monkeypatch, model_dirs("llama"),
+             ["/retry", "/set temperature 1", "/set seed 7", "Hello there", "Tell me more", "/retry", "/set seed 8",
+              "/retry", f"/save {out}", "/set seed 7", "/retry"], "-n", "12")
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    assert errors(r) == ["error: nothing to retry: there is no reply yet"]
+    replies = r.out.splitlines()
+    assert len(replies) == 5 and len(turns(r)) == 5
+    assert replies[2] == replies[1]  # same seed, same settings: the same reply
+    assert replies[3] != replies[1]  # another seed
+    assert replies[4] == replies[1]  # the first seed again
+    messages = saved(out)
+    assert [m["content"] for m in messages] == ["Hello there", replies[0], "Tell me more", replies[3]]
+    # The retried turns prefilled what the replaced reply's turn did.
+    assert turns(r)[2][:2] == turns(r)[1][:2] == turns(r)[4][:2]
