@@ -85,7 +85,24 @@ class TerminalReader:
             raise
         finally:
             _history_notice(self.history)
+        bad = not_utf8(text)
+        if bad is not None:
+            err_console().print(Text(f"error: {bad}; not sent", style="red"), soft_wrap=True)
+            return None
         return finish_input(text)
+
+
+def not_utf8(text: str) -> str | None:
+    """Why typed text is not text, or None. prompt-toolkit decodes the terminal's bytes with
+    surrogateescape, so an invalid UTF-8 byte (a paste in another encoding) arrives as a lone
+    surrogate, which the tokenizer cannot take and /save cannot write."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+        return f"the message is not valid UTF-8 ({what} at character {e.start})"
 
 
 def open_history(path: Path | None):

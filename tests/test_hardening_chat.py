@@ -495,3 +495,30 @@ def test_retry_regenerates_the_last_reply(model_dirs, tmp_path, capsys, monkeypa
     assert [m["content"] for m in messages] == ["Hello there", replies[0], "Tell me more", replies[3]]
     # The retried turns prefilled what the replaced reply's turn did.
     assert turns(r)[2][:2] == turns(r)[1][:2] == turns(r)[4][:2]
+
+
+# -- the terminal: bytes that are not UTF-8 -------------------------------------------------------
+@pytest.mark.slow  # a real process on a pseudo-terminal
+def test_invalid_utf8_typed_at_the_terminal_is_not_sent(model_dirs, tmp_path):
+    """prompt-toolkit hands invalid UTF-8 on, as lone surrogates, which crashed the
+    tokenizer (and the session): now one line, nothing sent, the chat going on."""
+    out = tmp_path / "out.json"
+    env = {**os.environ, "TWICE_CACHE": str(tmp_path / "cache"), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    child = pexpect.spawn(sys.executable, ["-c", "from twice.cli.app import main; main()", "chat", "--model",
+                                           str(model_dirs("llama")), "-n", "4", "--temperature", "0", "--threads", "1"],
+                          env=env, dimensions=(40, 120), timeout=TIMEOUT)
+    child.expect_exact(b">>>")
+    child.send(b"caf\xe9 au lait\r")
+    child.expect_exact(b"error: the message is not valid UTF-8 (byte 0xe9 at character 3); not sent")
+    child.expect_exact(b">>>")
+    child.send(b"Hello there\r")
+    child.expect(rb"reused \d+ \xc2\xb7 prefilled")
+    child.expect_exact(b">>>")
+    child.send(f"/save {out}\r".encode())
+    child.expect_exact(b"saved 2 messages")
+    child.expect_exact(b">>>")
+    child.send(b"/exit\r")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert [m["content"] for m in saved(out)][0] == "Hello there"
