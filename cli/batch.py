@@ -672,7 +672,9 @@ def _report_lines(name: str, errors: list[LineError], records: list[Record]) -> 
 
 def _say(message: str) -> None:
     # markup off: messages quote user text, whose brackets are not rich markup.
-    err_console().print(message, markup=False, highlight=False, soft_wrap=True)
+    from .errors import printable  # messages quote files' contents: never raw escapes
+
+    err_console().print(printable(message), markup=False, highlight=False, soft_wrap=True)
 
 
 def _count(n: int, word: str) -> str:

@@ -133,7 +133,9 @@ class ChatSession:
     def say(self, text: str, style: str = "") -> None:
         # soft_wrap: rich would otherwise break long lines at 80 columns when stderr is not
         # a terminal, and every message here is meant to be one line.
-        self.err.print(Text(text, style=style), soft_wrap=True)
+        from .errors import printable  # a template's error text, a file's name: never raw escapes
+
+        self.err.print(Text(printable(text), style=style), soft_wrap=True)
 
     def error(self, text: str) -> None:
         self.say(f"error: {text}", "red")

@@ -25,15 +25,15 @@ def start(device: str, tp: int):
     if tp < 1:
         raise PromptError(f"--tp must be at least 1, got {tp}")
     if not launched_by_torchrun():
+        if tp > 1:
+            raise PromptError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp} "
+                              f"--no-python twice ... --tp {tp}")
         stray = stray_launch_variables()
         if stray:
             from .errors import notice
 
             notice(f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, but torchrun did not start this "
                    "process (no TORCHELASTIC_RUN_ID): running as one process")
-        if tp > 1:
-            raise PromptError(f"--tp {tp} needs {tp} processes: launch with torchrun --nproc-per-node {tp} "
-                              f"--no-python twice ... --tp {tp}")
         from twice.core.parallel import Launch
 
         return Launch(device=device), SINGLE

@@ -11,11 +11,11 @@ top level) and transformers 5's (`rope_parameters`). Either way they end up in
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, UnsupportedModelError
+from .fields import _MISSING, Fields, show
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -111,64 +111,90 @@ class ModelConfig:
         return total
 
 
-def _positive_int(d: dict, key: str, source: str) -> int:
-    value = d.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+def _positive_int(f: Fields, key: str) -> int:
+    return f.int(key, lo=1)
+
+
+def _positive_float(f: Fields, key: str) -> float:
+    return f.float(key, lo=0, lo_open=True)
+
+
+MAX_SIZE = 2**31 - 1  # a tensor dimension or a position (torch indexes them as int64; real ones are far smaller)
+
+
+def _size(f: Fields, key: str) -> int:
+    """A positive integer of at most MAX_SIZE (the bound is named only when exceeded)."""
+    value = f.int(key, lo=1)
+    if value > MAX_SIZE:
+        raise ConfigError(f"{f.source}: {key} must be a positive integer of at most {MAX_SIZE:,}, got {show(value)}")
     return value
 
 
-def _positive_float(d: dict, key: str, source: str) -> float:
-    value = d.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{source}: {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ConfigError(f"{source}: {key} must be a token id or a list of them, got {value!r}")
-    return tuple(values)
+# The numeric fields of each RoPE type: (key, kind, lo, lo_open, hi, required). Ranges keep
+# every derived quantity finite (yarn divides by log(rope_theta) and by mscale terms, and
+# takes logarithms of original / beta), so any value accepted here computes; a scaling
+# factor is at least 1, as transformers' own validation says.
+_ROPE_FIELDS: dict[str, tuple[tuple, ...]] = {
+    "default": (),
+    "linear": (("factor", "float", 1, False, 1e6, True),),
+    "llama3": (("factor", "float", 1, False, 1e6, True), ("low_freq_factor", "float", 0, True, 1e6, True),
+               ("high_freq_factor", "float", 0, True, 1e6, True),
+               ("original_max_position_embeddings", "int", 1, False, MAX_SIZE, True)),
+    "yarn": (("factor", "float", 1, False, 1e6, False), ("original_max_position_embeddings", "int", 1, False, MAX_SIZE, True),
+             ("beta_fast", "float", 0, True, 1e6, False), ("beta_slow", "float", 0, True, 1e6, False),
+             ("mscale", "float", 0, False, 1e6, False), ("mscale_all_dim", "float", 0, False, 1e6, False),
+             ("attention_factor", "float", 0, True, 1e6, False)),
+}
 
 
 def normalize_rope(d: dict, source: str) -> dict:
     """Merge the Hub form (rope_theta + rope_scaling) and the transformers 5 form
-    (rope_parameters) into one dict with `rope_type` and `rope_theta`."""
+    (rope_parameters) into one dict with `rope_type` and `rope_theta`, every numeric field
+    of the rope type checked for its type and range (one-line ConfigError naming the key)."""
+    top = Fields(d, source)
     params = d.get("rope_parameters")
+    key = "rope_parameters"
     if params is None:
-        params = d.get("rope_scaling")
+        params, key = d.get("rope_scaling"), "rope_scaling"
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {params!r}")
+        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {show(params)}")
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedModelError(f"{source}: per-layer-type RoPE parameters are not supported")
     params = dict(params)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: rope type {show(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    theta = params.get("rope_theta", d.get("rope_theta"))
-    params["rope_theta"] = _positive_float({"rope_theta": theta}, "rope_theta", source)
+    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        params["original_max_position_embeddings"] = top.int("max_position_embeddings", lo=1)
+    rope = Fields({f"{key}.{k}": v for k, v in params.items()}, source)  # errors name e.g. "rope_scaling.factor"
+    # rope_theta > 1: only then do the frequencies fall with the dimension (yarn divides by its log)
+    if params.get("rope_theta") is not None:
+        params["rope_theta"] = rope.float(f"{key}.rope_theta", lo=1, lo_open=True, hi=1e30)
+    else:
+        params["rope_theta"] = top.float("rope_theta", lo=1, lo_open=True, hi=1e30)
     params["rope_type"] = rope_type
-    if d.get("partial_rotary_factor") not in (None, 1, 1.0) or params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
-    if rope_type in ("linear", "llama3", "yarn"):
-        if rope_type != "yarn" or params.get("factor") is not None:
-            _positive_float(params, "factor", source)
-    if rope_type in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-        _positive_int(params, "original_max_position_embeddings", source)
+    for f, name in ((top, "partial_rotary_factor"), (rope, f"{key}.partial_rotary_factor")):
+        if f.float(name, 1.0, lo=0, lo_open=True, hi=1) != 1.0:
+            raise UnsupportedModelError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
+    for name, kind, lo, lo_open, hi, required in _ROPE_FIELDS[rope_type]:
+        default = _MISSING if required else None
+        if kind == "int":
+            value = rope.int(f"{key}.{name}", default, lo=lo, hi=hi)
+        else:
+            value = rope.float(f"{key}.{name}", default, lo=lo, lo_open=lo_open, hi=hi)
+        if value is not None:
+            params[name] = value
     if rope_type == "llama3":
-        low = _positive_float(params, "low_freq_factor", source)
-        high = _positive_float(params, "high_freq_factor", source)
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
         if high <= low:
             raise ConfigError(f"{source}: rope high_freq_factor ({high}) must exceed low_freq_factor ({low})")
+    if rope_type == "yarn":
+        params["truncate"] = rope.bool(f"{key}.truncate", True)
     return params
 
 
@@ -177,8 +203,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        shown = "no model_type" if model_type is None else f"model_type {model_type!r}"
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        shown = "no model_type" if model_type is None else f"model_type {show(model_type)}"
         raise UnsupportedModelError(
             f"{source}: {shown} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -189,16 +215,17 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             if old in raw and raw[old] is not None:
                 d[new] = raw[old]
     d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window",)})
+    f = Fields(d, source)
 
-    vocab_size = _positive_int(d, "vocab_size", source)
-    hidden = _positive_int(d, "hidden_size", source)
-    layers = _positive_int(d, "num_hidden_layers", source)
+    vocab_size = _positive_int(f, "vocab_size")
+    hidden = _size(f, "hidden_size")
+    layers = _positive_int(f, "num_hidden_layers")
     if layers > MAX_LAYERS:  # checked before anything is built per layer
         raise ConfigError(f"{source}: num_hidden_layers {layers} is not a plausible layer count (at most {MAX_LAYERS:,})")
-    heads = _positive_int(d, "num_attention_heads", source)
+    heads = _size(f, "num_attention_heads")
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = heads
-    kv_heads = _positive_int(d, "num_key_value_heads", source)
+    kv_heads = _size(f, "num_key_value_heads")
     if heads % kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
@@ -207,43 +234,47 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
         d["head_dim"] = hidden // heads
-    head_dim = _positive_int(d, "head_dim", source)
+    head_dim = _size(f, "head_dim")
     if head_dim % 2 and model_type != "gpt2":
         raise ConfigError(f"{source}: head_dim ({head_dim}) must be even for rotary embeddings")
     if model_type == "gpt2" and d.get("intermediate_size") is None:
         d["intermediate_size"] = 4 * hidden
-    intermediate = _positive_int(d, "intermediate_size", source)
-    max_pos = _positive_int(d, "max_position_embeddings", source)
-    eps = _positive_float(d, "rms_norm_eps", source)
-    act = d.get("hidden_act", "silu")
+    intermediate = _size(f, "intermediate_size")
+    max_pos = _size(f, "max_position_embeddings")
+    eps = _positive_float(f, "rms_norm_eps")
+    act = f.str("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedModelError(
-            f"{source}: activation {act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            f"{source}: activation {show(act)} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
 
     rope = None if model_type == "gpt2" else normalize_rope(d, source)
 
-    if model_type == "llama":
-        qkv_bias = o_bias = bool(d.get("attention_bias", False))
+    # true/false only: "no" in a config is a mistake, not a truthy string
+    if model_type in ("llama", "qwen3"):
+        qkv_bias = o_bias = f.bool("attention_bias", False)
     elif model_type == "qwen2":
         qkv_bias, o_bias = True, False
-    elif model_type == "qwen3":
-        qkv_bias = o_bias = bool(d.get("attention_bias", False))
     elif model_type == "gpt2":
         qkv_bias = o_bias = True
     else:  # mistral
         qkv_bias = o_bias = False
-    mlp_bias = True if model_type == "gpt2" else bool(d.get("mlp_bias", False))
+    mlp_bias = True if model_type == "gpt2" else f.bool("mlp_bias", False)
+    tied = f.bool("tie_word_embeddings", False)
+    scale_attn_weights = f.bool("scale_attn_weights", True)
+    scale_by_layer = f.bool("scale_attn_by_inverse_layer_idx", False)
+    bos = f.int("bos_token_id", None, lo=0)
+    eos = f.token_ids("eos_token_id")
 
     # Sliding windows: mistral applies its window on every layer; qwen2/qwen3 only when
     # use_sliding_window is set, and then on the layers from max_window_layers on
     # (or as an explicit layer_types list says).
     window = d.get("sliding_window")
     layer_types: tuple[str, ...] = ()
-    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False):
         window = None
     if window is not None:
-        window = _positive_int({"sliding_window": window}, "sliding_window", source)
+        window = _size(f, "sliding_window")
         if model_type == "mistral":
             layer_types = ("sliding_attention",) * layers
         elif model_type in ("qwen2", "qwen3"):
@@ -255,7 +286,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
                     raise ConfigError(f"{source}: layer_types must list full_attention/sliding_attention per layer")
                 layer_types = tuple(given)
             else:
-                first = d.get("max_window_layers", 28)
+                first = f.int("max_window_layers", 28, lo=0)
                 layer_types = tuple(
                     "sliding_attention" if i >= first else "full_attention" for i in range(layers)
                 )
@@ -276,7 +307,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         max_position_embeddings=max_pos,
         rms_norm_eps=eps,
         hidden_act=act,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+        tie_word_embeddings=tied,
         rope_parameters=rope,
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -284,10 +315,10 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         qk_norm=model_type == "qwen3",
         sliding_window=window,
         layer_types=layer_types,
-        scale_attn_weights=bool(d.get("scale_attn_weights", True)),
-        scale_attn_by_inverse_layer_idx=bool(d.get("scale_attn_by_inverse_layer_idx", False)),
-        bos_token_id=d.get("bos_token_id") if isinstance(d.get("bos_token_id"), int) else None,
-        eos_token_id=_token_ids(d.get("eos_token_id"), "eos_token_id", source),
+        scale_attn_weights=scale_attn_weights,
+        scale_attn_by_inverse_layer_idx=scale_by_layer,
+        bos_token_id=bos,
+        eos_token_id=eos,
         torch_dtype=dtype if isinstance(dtype, str) else None,
         extra={k: v for k, v in raw.items() if k not in known},
     )

@@ -88,9 +88,10 @@ def show(value: Any, limit: int = 60) -> str:
         text = repr(value)
     except (ValueError, RecursionError):  # an int too long for str(), a deep structure
         text = f"<{type(value).__name__}>"
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
     if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text.encode("ascii", "backslashreplace").decode("ascii")
+        text = text[: limit - 3] + "..."
+    return text
 
 
 _MISSING = object()
@@ -200,13 +201,23 @@ class Fields:
         return value
 
 
+def _number(x) -> str:
+    """1000000 and 1e6 as 1,000,000; 1e30 as 1e+30; 0.5 as 0.5."""
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e16:
+        x = int(x)
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
 def _range_words(kind: str, lo, hi, lo_open: bool = False) -> str:
+    lo_text, hi_text = (None if lo is None else _number(lo)), (None if hi is None else _number(hi))
     if lo is not None and hi is not None:
-        return f"{kind} in [{lo}, {hi}]" if not lo_open else f"{kind} in ({lo}, {hi}]"
+        return f"{kind} in [{lo_text}, {hi_text}]" if not lo_open else f"{kind} in ({lo_text}, {hi_text}]"
     if lo is not None:
+        if lo == 1 and kind == "an integer" and not lo_open:
+            return "a positive integer"
         if lo == 0:
             return f"a positive {kind.split()[-1]}" if lo_open else f"a non-negative {kind.split()[-1]}"
-        return f"{kind} {'>' if lo_open else '≥'} {lo}"
+        return f"{kind} {'>' if lo_open else '≥'} {lo_text}"
     if hi is not None:
-        return f"{kind} ≤ {hi}"
+        return f"{kind} ≤ {hi_text}"
     return kind

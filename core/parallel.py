@@ -8,8 +8,9 @@ embeddings are replicated; an untied output head is split by vocabulary rows and
 logits gathered. Every rank then holds identical logits, so all ranks choose the same
 token when they sample with the same seed.
 
-Launch with torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); the
-backend is NCCL on GPUs and gloo on CPUs.
+Launch with torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT and
+TORCHELASTIC_RUN_ID; RANK/WORLD_SIZE without the last are not a launch, and are ignored);
+the backend is NCCL on GPUs and gloo on CPUs.
 """
 
 from __future__ import annotations
@@ -93,8 +94,33 @@ def _collective_device(shard: Shard) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+# torchrun's elastic agent gives every worker it starts RANK, WORLD_SIZE, LOCAL_RANK,
+# MASTER_ADDR/PORT and its run's id; RANK and WORLD_SIZE alone (left over in a shell, set
+# by a scheduler for its own purposes) are no launch: joining a group on them would fail
+# for want of MASTER_ADDR, or wait forever for ranks that were never started.
+TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return TORCHRUN_MARK in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def stray_launch_variables() -> list[str]:
+    """The launch variables set in a process torchrun did not start (they are ignored)."""
+    if launched_by_torchrun():
+        return []
+    return [name for name in LAUNCH_VARIABLES if name in os.environ]
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise DeviceError(f"torchrun set {name}={text!r}, which is not a whole number") from None
 
 
 @dataclass(frozen=True)
@@ -120,8 +146,10 @@ def init_from_env(device: str = "auto") -> Launch:
     otherwise. Without torchrun: rank 0 of 1, nothing initialized."""
     if not launched_by_torchrun():
         return Launch(device=device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local = _env_int("LOCAL_RANK", rank)
+    if not (world >= 1 and 0 <= rank < world and local >= 0):
+        raise DeviceError(f"torchrun set RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}: not a rank of the group")
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -133,7 +161,11 @@ def init_from_env(device: str = "auto") -> Launch:
     else:
         device = "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        try:
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        except (RuntimeError, ValueError) as e:  # no MASTER_ADDR, an unreachable rendezvous, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise DeviceError(f"cannot join torchrun's process group (rank {rank} of {world}): {first}") from None
     return Launch(rank=rank, world=world, device=device)
 
 

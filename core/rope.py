@@ -12,6 +12,7 @@ import math
 import torch
 
 from .config import ModelConfig
+from .errors import ConfigError
 
 
 def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -60,13 +61,16 @@ def _yarn(base: float, dim: int, max_positions: int, p: dict) -> tuple[torch.Ten
             attention_factor = float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
         else:
             attention_factor = mscale(factor)
-    beta_fast = p.get("beta_fast") or 32
+    beta_fast = p.get("beta_fast") or 32  # config.py checked every field's type and range
     beta_slow = p.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if not (math.isfinite(low) and math.isfinite(high)):  # config.py's ranges leave only extreme corners here
+        raise ConfigError(f"yarn rope: beta_fast {beta_fast} / beta_slow {beta_slow} give no usable frequency range "
+                          f"for original_max_position_embeddings {original}")
     if p.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)

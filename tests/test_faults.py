@@ -138,13 +138,20 @@ def complete_lines(path: Path) -> list[dict]:
 # -- Ctrl-C while loading ------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["generate", "chat", "batch"])
 def test_ctrl_c_while_loading(long_model, tmp_path, command):
+    from blocking_hook import hook_env, wait_until_blocked
+
     src = write_prompts(tmp_path / "in.jsonl", ["Hello"])
     args = {"generate": ["generate", "Hello", "--model", long_model],
             "chat": ["chat", "--model", long_model],
             "batch": ["batch", src, "--model", long_model, "-o", tmp_path / "out.jsonl"]}[command]
-    proc = start(args, tmp_path, stdin=subprocess.PIPE)
-    time.sleep(0.8)  # importing torch and reading the model take longer than this
+    # Stopped where the weights are read (a readiness line on stderr, no sleep): the signal
+    # lands while loading, however fast or slow the machine is.
+    proc = subprocess.Popen([*TWICE, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**env(tmp_path), **hook_env(tmp_path / "hook", "call:twice.weights.checkpoint:load_into")})
+    _, before = wait_until_blocked(proc)
     elapsed, out, err = signal_and_wait(proc)
+    err = before.decode("utf-8", "replace") + err
     assert proc.returncode == 130, err
     assert err.strip().endswith("twice: interrupted") and out == b""
     assert_quiet(err)

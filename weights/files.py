@@ -9,7 +9,7 @@ from pathlib import Path
 
 from twice.core.config import ModelConfig, config_from_dict
 from twice.core.errors import ConfigError, TwiceError
-from twice.core.fields import describe_json_error, loads
+from twice.core.fields import Fields, describe_json_error, loads
 
 
 MAX_JSON_BYTES = 64 << 20  # a model folder's JSON files are kilobytes; tokenizer_config.json can be a few MB
@@ -89,14 +89,24 @@ class GenerationDefaults:
 
 
 def read_generation_config(folder: Path, config: ModelConfig) -> GenerationDefaults:
+    """eos ids and default sampling from generation_config.json, each value checked for its
+    type and range (one line naming the file and the key): a wrong value is an error, never
+    guessed at ("do_sample": "no" is not true, "temperature": "hot" is not ignored)."""
     path = folder / "generation_config.json"
     if not path.exists():
         return GenerationDefaults(eos_token_ids=config.eos_token_id)
-    data = read_json(path)
-    eos = data.get("eos_token_id", None)
-    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    keys = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    sampling = {k: data[k] for k in keys if data.get(k) is not None}
-    return GenerationDefaults(eos_token_ids=tuple(ids) or config.eos_token_id, sampling=sampling)
+    f = Fields(read_json(path), str(path))
+    ids = f.token_ids("eos_token_id")
+    # The same ranges as the --temperature/--top-k/... flags (core/sampling.py)
+    checked = {
+        "do_sample": f.bool("do_sample", None),
+        "temperature": f.float("temperature", None, lo=0),
+        "top_k": f.int("top_k", None, lo=0),
+        "top_p": f.float("top_p", None, lo=0, lo_open=True, hi=1),
+        "min_p": f.float("min_p", None, lo=0, hi=1),
+        "repetition_penalty": f.float("repetition_penalty", None, lo=0, lo_open=True),
+    }
+    if checked["min_p"] == 1:
+        raise ConfigError(f"{path}: min_p must be a number in [0, 1), got 1")
+    sampling = {k: v for k, v in checked.items() if v is not None}
+    return GenerationDefaults(eos_token_ids=ids or config.eos_token_id, sampling=sampling)

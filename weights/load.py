@@ -10,7 +10,7 @@ import torch
 
 from twice.core.config import ModelConfig
 from twice.core.device import DTYPE_NAMES, dtype_choice, resolve_device
-from twice.core.errors import DeviceError
+from twice.core.errors import DeviceError, TokenizerError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
 from twice.core.parallel import SINGLE, Shard
@@ -50,6 +50,19 @@ class LoadedModel:
         return tuple(ids)
 
 
+def check_vocabulary(tokenizer: Tokenizer, config: ModelConfig, folder: Path) -> None:
+    """Every id the tokenizer can produce (its model's vocabulary and its added and special
+    tokens) must be a row of the model's embedding; else one line, before the weights load
+    (an id past the embedding would fail inside the first forward pass)."""
+    hf = tokenizer.hf
+    largest = max(hf.get_vocab_size(with_added_tokens=False) - 1, max(hf.get_added_tokens_decoder(), default=-1))
+    if largest >= config.vocab_size:
+        raise TokenizerError(
+            f"{folder / 'tokenizer.json'}: the tokenizer has token ids up to {largest:,}, but the model's vocabulary "
+            f"(vocab_size in config.json) has {config.vocab_size:,} (ids 0..{config.vocab_size - 1:,}): "
+            "the tokenizer does not belong to this model")
+
+
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
          progress=None, shard: Shard = SINGLE) -> LoadedModel:
     """Resolve `ref`, read its config and tokenizer, and load its weights (only this rank's
@@ -66,6 +79,7 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     t1 = time.perf_counter()
     say("reading tokenizer")
     tokenizer = Tokenizer(folder)
+    check_vocabulary(tokenizer, config, folder)
     t2 = time.perf_counter()
     try:
         say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")
