@@ -52,9 +52,12 @@ READOUT_CHILD = textwrap.dedent('''
             self.real.flush()
             if not self.waited and "FIRST-LINE" in text:
                 self.waited = True
-                open(ready, "w").close()
-                with open(gate, "rb") as g:  # a FIFO: blocks until the test writes to it
-                    g.read(1)
+                fd = os.open(gate, os.O_RDWR)  # a FIFO held open: its byte cannot be lost
+                try:
+                    open(ready, "w").close()
+                    os.read(fd, 1)  # blocks until the test writes
+                finally:
+                    os.close(fd)
             return len(text)
 
         def flush(self):
