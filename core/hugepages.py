@@ -98,7 +98,8 @@ def place_parameters(model: torch.nn.Module) -> bool:
 
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS
-    (once per process; True if in effect). Allocations under 32 MiB (the most glibc allows
+    (once per process, at a CPU model's first forward pass, after handing back what was
+    free then; True if in effect). Allocations under 32 MiB (the most glibc allows
     from its heap: every activation of a 2,048-token prefill of a 135M model) come from the
     heap, and the heap's top is trimmed only beyond 2 GiB. Setting the thresholds also
     stops glibc from moving them as it goes. Elsewhere (not glibc, TWICE_KEEP_HEAP=0)
@@ -107,7 +108,9 @@ def keep_freed_memory() -> bool:
         _KEPT["done"] = False
         if os.environ.get("TWICE_KEEP_HEAP", "1") != "0" and _glibc():
             try:
-                mallopt = ctypes.CDLL(None).mallopt
+                libc = ctypes.CDLL(None)
+                libc.malloc_trim(ctypes.c_size_t(0))  # what loading left free goes back first
+                mallopt = libc.mallopt
                 mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
                 _KEPT["done"] = bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
             except (OSError, AttributeError):

@@ -14,6 +14,7 @@ import torch
 from .attention import Step
 from .cache import KVCache
 from .config import ModelConfig
+from .hugepages import keep_freed_memory
 from .parallel import SINGLE, Shard
 
 
@@ -77,6 +78,8 @@ class CausalLM(torch.nn.Module):
         t = input_ids.shape[1]
         if cache.length + t > cache.capacity:
             raise ValueError(f"cache holds {cache.capacity} tokens; {cache.length} + {t} do not fit")
+        if input_ids.device.type == "cpu":
+            keep_freed_memory()  # once: a prefill's activations reuse one layer's memory in the next
         step = Step.build(cache, t, self.windows)
         h = self.hidden_states(input_ids, step, cache)
         cache.length += t

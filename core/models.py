@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .hugepages import keep_freed_memory, place_parameters
+from .hugepages import place_parameters
 from .gpt2 import GPT2Model
 from .llama import LlamaModel
 from .model import CausalLM
@@ -36,6 +36,5 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
     model.eval().requires_grad_(False)
     if device.type == "cpu":
         place_parameters(model)  # before the loader writes them: decode reads them every token
-        keep_freed_memory()  # a prefill's activations reuse the same memory layer after layer
     model.prepare(device, dtype)
     return model

@@ -180,10 +180,15 @@ def summarize(dtype: str, rounds: list[dict]) -> dict:
             "minor_faults_long_minus_short": spread([a["minor_faults"] - b["minor_faults"]
                                                      for a, b in zip(long_, short)]),
         }
-    # Per round: transformers' seconds ÷ twice's (> 1: twice faster), on each measure.
+    # Per round: transformers' seconds ÷ twice's (> 1: twice faster), on each measure. A
+    # round where a long prompt's process was not slower than the short one's (a neighbour's
+    # load swamped the difference) has no ratio; it is counted, not hidden.
     for key in ("whole_process_prefill_s", "whole_process_cpu_s", "in_process_prefill_s"):
-        pairs = zip(s["twice"][key]["values"], s["transformers"][key]["values"])
-        s[f"ratio_{key}"] = spread([hf / tw if tw > 0 else float("nan") for tw, hf in pairs])
+        pairs = list(zip(s["twice"][key]["values"], s["transformers"][key]["values"]))
+        ratios = [hf / tw for tw, hf in pairs if tw > 0 and hf > 0]
+        s[f"ratio_{key}"] = spread(ratios) if ratios else {"median": float("nan"), "min": float("nan"),
+                                                           "max": float("nan"), "values": []}
+        s[f"ratio_{key}"]["rounds_without_ratio"] = len(pairs) - len(ratios)
     return s
 
 
@@ -200,10 +205,13 @@ def table(summaries: list[dict]) -> str:
                    f"{w['median']:.2f} s ({w['min']:.2f}–{w['max']:.2f}), {tokens / w['median']:,.0f} tok/s | "
                    f"{c['median']:.2f} | {i['median']:.2f} s ({i['min']:.2f}–{i['max']:.2f}) | ")
             if engine == "twice":
-                r, ri = s["ratio_whole_process_prefill_s"], s["ratio_in_process_prefill_s"]
+                r, rc, ri = (s[f"ratio_{k}"] for k in ("whole_process_prefill_s", "whole_process_cpu_s",
+                                                       "in_process_prefill_s"))
                 b = s.get("bench")
-                row += (f"{r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f}) | {ri['median']:.2f}× "
-                        f"({ri['min']:.2f}–{ri['max']:.2f}) | " + (f"{b['ratio']:.2f}× |" if b else "— |"))
+                dropped = f", {r['rounds_without_ratio']} rounds without" if r["rounds_without_ratio"] else ""
+                row += (f"{r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f}{dropped}); CPU s {rc['median']:.2f}× | "
+                        f"{ri['median']:.2f}× ({ri['min']:.2f}–{ri['max']:.2f}) | "
+                        + (f"{b['ratio']:.2f}× |" if b else "— |"))
             else:
                 row += " | | |"
             lines.append(row)

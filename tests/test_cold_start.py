@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from twice.core import benchmark, hugepages
+from twice.core.cache import KVCache
 from twice.core.config import config_from_dict
 
 linux_glibc = pytest.mark.skipif(not (sys.platform.startswith("linux") and hugepages._glibc()),
@@ -84,9 +85,12 @@ def test_turned_off_or_elsewhere_it_leaves_malloc_alone(monkeypatch):
 
 
 @linux_glibc
-def test_building_a_cpu_model_keeps_freed_memory(monkeypatch):
+def test_a_cpu_forward_pass_keeps_freed_memory(monkeypatch):
     monkeypatch.setattr(hugepages, "_KEPT", {})
     monkeypatch.delenv("TWICE_KEEP_HEAP", raising=False)
     config = config_from_dict(dict(benchmark.SHAPES["tiny"]))
-    benchmark.random_model(config, "cpu", torch.float32)
+    model = benchmark.random_model(config, "cpu", torch.float32)
+    assert hugepages._KEPT == {}  # loading is left as it was
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), KVCache(config, 1, 8, torch.float32, "cpu"))
     assert hugepages._KEPT == {"done": True}
