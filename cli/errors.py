@@ -10,6 +10,11 @@ the traceback of an error instead of its line.
 Whatever way a run ends, standard output is flushed first (a partial reply is not lost)
 or, when it can no longer be written, pointed at /dev/null, so that the interpreter's
 own final flush adds no "Exception ignored" noise.
+
+Ctrl-C ends a run with 130 wherever it lands, also inside an import (see _guarded_import)
+or where Python can only drop the KeyboardInterrupt (see _unraisable_interrupt). Every
+message printed from here goes through `printable`: text from files (a tensor name, a
+template's error) never reaches the terminal with its control characters.
 """
 
 from __future__ import annotations
