@@ -85,10 +85,22 @@ class Sampler:
             x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
         if p.greedy:
             return x.argmax()
-        x = x / p.temperature
+        candidates = None
         if p.top_k and p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
+            # Everything after top-k runs on the k candidates instead of the whole vocabulary:
+            # the same distribution (the rest have probability 0; dividing by the temperature
+            # keeps the order, so it can come after), but a dozen vocabulary-wide ops a token
+            # (division, sort, cumsum, scatter, noise) become ops on k values — on a busy
+            # machine each vocabulary-wide op cost milliseconds of thread-pool wake-ups. Ties
+            # at the k-th value keep every tied token, as transformers' top-k does.
+            values, candidates = torch.topk(x, min(p.top_k + 1, x.shape[-1]))
+            if values[-1] == values[p.top_k - 1]:  # a tie straddles the cut: keep all of it
+                kth = values[p.top_k - 1]
+                candidates = (x >= kth).nonzero().squeeze(-1)
+                x = x[candidates]
+            else:
+                candidates, x = candidates[: p.top_k], values[: p.top_k]
+        x = x / p.temperature
         probs = torch.softmax(x, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
@@ -98,7 +110,8 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         noise = torch.empty_like(probs).exponential_(1.0, generator=self.generators[row])
-        return (probs / noise).argmax()
+        chosen = (probs / noise).argmax()
+        return chosen if candidates is None else candidates[chosen]
 
     def observe(self, tokens: torch.Tensor) -> None:
         """Record the tokens just chosen (for the repetition penalty)."""
