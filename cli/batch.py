@@ -146,6 +146,7 @@ class Stats:
     largest_batch: int = 0  # most rows in one generate_batch call
     rows: int = 0  # rows over all generate_batch calls (a batch run again after running out of memory counts again)
     decode_path: str = ""  # native | compiled | eager, as the engine reports it
+    batch_invariant: bool = True  # every finished row bit for bit its prompt alone (GenerationResult.batch_invariant)
 
 
 def result_line(record: Record, result) -> dict:
@@ -238,6 +239,7 @@ def _record_done(record: Record, result, writer: Writer, stats: Stats) -> None:
     stats.prompt_tokens += result.prompt_tokens
     stats.ttfts.append(result.ttft_seconds)
     stats.peak_memory = max(stats.peak_memory, result.peak_memory_bytes)
+    stats.batch_invariant = stats.batch_invariant and getattr(result, "batch_invariant", False)
 
 
 class ProgressBar:
@@ -303,6 +305,10 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | N
          + (f"; cut to {used} after running out of memory" if used is not None and used != batch_size else "")),
         ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.batches):,.1f} mean",
          "rows each generate_batch call held (at most the limit; the last batch holds what is left)"),
+        ("rows vs alone", "identical" if stats.batch_invariant else "may differ",
+         "identical: each row's tokens are bit for bit its prompt's alone, at any batch size (the native CPU "
+         "step); may differ: PyTorch's kernels reduce a row differently beside others, so rows can part from "
+         "-b 1 at near-tied tokens (bf16 above all)"),
         ("prompt tokens", f"{stats.prompt_tokens:,}", "sum over finished prompts"),
         ("generated tokens", f"{stats.generated_tokens:,}", "sum over all rows"),
         ("wall time", seconds(stats.wall), "first batch start → last batch end (prefill + decode, all batches)"),

@@ -71,7 +71,12 @@ static void add_round(const Dims *d, float *y, const float *t, const void *b, in
         _mm512_storeu_ps(y + i, rnd16(d, v));
     }
 #endif
-    for (; i < n; i++) y[i] = rnd(d, y[i] + (t ? t[i] : 0.0f) + (b ? load(d, b, i) : 0.0f));
+    for (; i < n; i++) { /* the vector lanes' operations exactly: which elements fall here depends on n */
+        float v = y[i];
+        if (t) v += t[i];
+        if (b) v += load(d, b, i);
+        y[i] = rnd(d, v);
+    }
 }
 
 /* x (float32 holding bf16 values) → bf16, n elements. */

@@ -1,11 +1,12 @@
 /* y = W x for one vector x (batch-1 decode) or a few (batched decode).
  *
- * Decode reads every weight once per token, so this loop decides tokens/s: each output
- * row is one sequential stream through W with independent accumulators, and the rows are
- * split over OpenMP threads (torch's own libgomp, so its thread pool is shared with
- * torch's kernels). bf16 uses AVX-512 BF16 dot products (32 products per instruction,
- * accumulated in float32) where the CPU has them; float32 uses AVX-512 FMAs; other CPUs
- * get the portable loops, which the compiler vectorizes as it can.
+ * Decode reads every weight once per token, so this loop decides tokens/s: four output
+ * rows at a time are streamed through W against every vector (register tiles, below), and
+ * the rows are split over OpenMP threads (torch's own libgomp, so its thread pool is
+ * shared with torch's kernels). bf16 uses AVX-512 BF16 dot products (32 products per
+ * instruction, accumulated in float32) where the CPU has them; float32 uses AVX-512 FMAs;
+ * other CPUs get the portable loops, which the compiler vectorizes as it can. Either way a
+ * row's result does not depend on the number of vectors (batch invariance, see gemm).
  *
  * Built at first use by core/kernels/__init__.py with the system C compiler
  * (-O3 -march=native), cached in twice's cache folder.
@@ -82,22 +83,23 @@ static float dot_bf16(const uint16_t *r, const uint16_t *x, int64_t n) {
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 4
 #endif
+#ifndef PIN /* (a build that emulates AVX-512 on narrower registers defines it away) */
 #define PIN(v) __asm__("" : "+v"(v))
+#endif
 
 #ifdef __AVX512F__
-/* y[b·out + r] = the lane sum of a[b][r]. With 4 vectors, sum16 leaves lane 4b + r holding
- * it (45 instructions instead of 16 separate reductions of ~8). */
+/* y[b·out + r] = the lane sum of a[b][r]: sum16 leaves lane 4b + r holding it (45
+ * instructions instead of 16 separate reductions of ~8). With fewer than 4 vectors the
+ * missing ones are zeros: each lane's sum is a tree of its own accumulator alone, so a
+ * row's result is the same in any tile and at any place in it (batch invariance). */
 static inline __attribute__((always_inline)) void store_tile(const int NB, __m512 a[4][4], float *y, int64_t out) {
-    if (NB == 4) {
-        const __m512 s = sum16(&a[0][0]);
-        _mm_storeu_ps(y, _mm512_extractf32x4_ps(s, 0));
-        _mm_storeu_ps(y + out, _mm512_extractf32x4_ps(s, 1));
-        _mm_storeu_ps(y + 2 * out, _mm512_extractf32x4_ps(s, 2));
-        _mm_storeu_ps(y + 3 * out, _mm512_extractf32x4_ps(s, 3));
-        return;
-    }
-    for (int b = 0; b < NB; b++)
-        for (int r = 0; r < 4; r++) y[b * out + r] = _mm512_reduce_add_ps(a[b][r]);
+    for (int b = NB; b < 4; b++)
+        for (int r = 0; r < 4; r++) a[b][r] = _mm512_setzero_ps();
+    const __m512 s = sum16(&a[0][0]);
+    _mm_storeu_ps(y, _mm512_extractf32x4_ps(s, 0));
+    if (NB > 1) _mm_storeu_ps(y + out, _mm512_extractf32x4_ps(s, 1));
+    if (NB > 2) _mm_storeu_ps(y + 2 * out, _mm512_extractf32x4_ps(s, 2));
+    if (NB > 3) _mm_storeu_ps(y + 3 * out, _mm512_extractf32x4_ps(s, 3));
 }
 
 static inline __attribute__((always_inline)) void tile_f32(const int NB, const float *w, const float *x, float *y,
@@ -174,16 +176,24 @@ static float dot(int bf16, const void *w, const void *x, int64_t n) {
 }
 
 /* w: [out, n] row-major; x: [rows, n]; y: [rows, out] float32. w and x are both bfloat16
- * (bf16 = 1) or both float32. Threads split the output rows, four at a time. One vector
- * (batch-1 decode) streams each row with the dot loops; two or more go through tiles,
- * four vectors at a time. */
+ * (bf16 = 1) or both float32. Threads split the output rows, four at a time; the vectors
+ * go through tiles four at a time, the last 1–3 in a smaller tile. Where the tiles do not
+ * apply (no AVX-512, n not a whole number of vectors, the last 1–3 output rows) the dot
+ * loops take every vector.
+ *
+ * Batch invariance: which code computes y[c][r], and in what order it adds, depends only
+ * on r, out and n, never on how many vectors there are or where vector c sits among them:
+ * a tile's accumulator for (vector, row) is one chain over n from zero, whatever the
+ * tile's other vectors, and store_tile sums it by the same tree. So a batch row's output
+ * is bit for bit its output alone (batch 1 takes the same tiles, tests/
+ * test_batch_invariance.py). */
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads) {
     const int64_t el = bf16 ? 2 : 4, width = tile_width(bf16);
     const char *W = w, *X = x;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o += 4) {
         int64_t b = 0;
-        if (rows > 1 && width && o + 4 <= out && n > 0 && n % width == 0)
+        if (width && o + 4 <= out && n > 0 && n % width == 0)
             for (; b < rows; b += 4)
                 tile(bf16, rows - b < 4 ? (int)(rows - b) : 4, W + o * n * el, X + b * n * el, y + b * out + o, out, n);
         for (int64_t r = o; r < o + 4 && r < out; r++)
