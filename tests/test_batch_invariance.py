@@ -171,3 +171,28 @@ def test_twice_batch_timing_says_when_rows_may_differ(tmp_path, capsys, model_di
     assert r.code == 0, r.err
     line = next(x for x in r.err.splitlines() if "rows vs alone" in x)
     assert "may differ" in line.split("rows vs alone", 1)[1][:30]
+
+
+@native
+@pytest.mark.slow
+def test_smollm2_bf16_batch_rows_equal_each_prompt_alone(tmp_path_factory):
+    """The real default model at its real sizes (hidden 576, 9 heads over 3 kv heads,
+    vocabulary 49,152), where reduction orders show that tiny shapes hide: 8 chat prompts
+    of 31–43 tokens in one bf16 batch, each row's 24 greedy tokens those of its prompt alone
+    (before the fix 1 of the 8 parted, at its 7th token)."""
+    from twice.weights.resolve import default_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TWICE_CACHE", str(tmp_path_factory.getbasetemp() / "twice-cache"))
+        folder = default_model()
+    m = load(str(folder), device="cpu", dtype="bfloat16")
+    engine = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    texts = ["Why is the sky blue?", "Write a haiku about autumn leaves falling.", "What is 17 times 23?",
+             "Explain KV caches in one paragraph.", "Name three prime numbers.", "Hi",
+             "Translate 'good morning' into French and Spanish, please.", "What is the capital of France?"]
+    prompts = [m.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    settings = [GenerationSettings(max_new_tokens=24, ignore_eos=True)] * len(prompts)
+    alone = [list(engine.generate(Request(ids=p), s, reuse_cache=False))[-1].result.token_ids
+             for p, s in zip(prompts, settings)]
+    batched = _done(engine.generate_batch([Request(ids=p) for p in prompts], settings))
+    assert [batched[i].token_ids for i in range(len(prompts))] == alone
