@@ -301,8 +301,10 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | N
         ("load", seconds(loaded.load_seconds), "read config, weights and tokenizer"),
         ("prompts", f"{stats.done} done, {stats.failed} failed", "rows sent to the engine in this run"),
         ("batches", str(stats.batches), "generate_batch calls (prompts sorted by token length)"),
-        ("batch size limit", str(batch_size), f"most rows a batch may hold: {why}"
-         + (f"; cut to {used} after running out of memory" if used is not None and used != batch_size else "")),
+        ("batch size limit", str(batch_size) + (f" → {used}" if used is not None and used != batch_size else ""),
+         f"most rows a batch may hold: {why}"
+         + ("; → the limit it was cut to after running out of memory" if used is not None and used != batch_size
+            else "")),
         ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.batches):,.1f} mean",
          "rows each generate_batch call held (at most the limit; the last batch holds what is left)"),
         ("rows vs alone", "identical" if stats.batch_invariant else "may differ",

@@ -36,5 +36,5 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     # Converted models and other cache writes go to a per-session temporary folder.
     monkeypatch.setenv("TWICE_CACHE", str(tmp_path_factory.getbasetemp() / "twice-cache"))
     # The tests compare against transformers in float32; what `--dtype auto` means on a CPU
-    # is measured per machine, so it is pinned here (test_device.py tests the measurement).
+    # depends on its instruction set, so it is pinned here (test_device.py tests the choice).
     monkeypatch.setenv("TWICE_CPU_AUTO_DTYPE", "float32")
