@@ -18,6 +18,7 @@ from pathlib import Path
 
 from twice.core.errors import PromptError, TwiceError
 from twice.core.fields import JSONLimitError, loads
+from twice.weights.safe_write import sync_folder
 
 OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
 
@@ -190,7 +191,7 @@ class Writer:
                 os.ftruncate(self.fd, state.keep_bytes)
                 os.fsync(self.fd)
             elif not state.existing:
-                _sync_folder(path.parent)  # so that a crash cannot lose the new file's name
+                sync_folder(path.parent)  # so that a crash cannot lose the new file's name
         except FileExistsError:
             raise PromptError(f"{path} appeared while twice was starting; pass --resume or choose another file") from None
         except OSError as e:
@@ -241,19 +242,6 @@ class NullWriter:
 
     def close(self) -> None:
         pass
-
-
-def _sync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not every system lets a folder be opened; the lines are still synced
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_stdout(data: bytes) -> None:

@@ -104,7 +104,9 @@ def ensure_folder(path: Path, error: type[TwiceError] = WriteError, what: str = 
     return path
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
+    """fsync a folder, so that a crash cannot lose the name of a file just created or renamed in it
+    (not every system lets a folder be opened: then nothing)."""
     try:
         fd = os.open(folder, os.O_RDONLY | _CLOEXEC)
     except OSError:
@@ -138,7 +140,7 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _sync_folder(folder)
+    sync_folder(folder)
 
 
 def open_append(path: Path, *, mode: int = PRIVATE, error: type[TwiceError] = WriteError):
@@ -343,7 +345,7 @@ def _replace_folder(work: Path, dest: Path, what: str | None, error: type[TwiceE
         if had_old and os.path.lexists(old) and not os.path.lexists(dest):
             os.replace(old, dest)  # put the previous one back
         raise error(f"{dest}: cannot move {what or 'the new folder'} into place ({e.strerror or e})") from None
-    _sync_folder(dest.parent)
+    sync_folder(dest.parent)
 
 
 @contextlib.contextmanager
@@ -370,4 +372,4 @@ def atomic_file(path: Path, *, mode: int | None = None, wait: bool = True, what:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _sync_folder(folder)
+        sync_folder(folder)
