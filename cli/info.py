@@ -63,11 +63,9 @@ def info(
 def _dtype_reason(dtype: str) -> str:
     """Why info counts bytes in this dtype: --dtype, or what auto means on this CPU (info
     never touches a GPU)."""
-    import torch
-
     from twice.core.device import dtype_choice
 
-    return dtype_choice(dtype, torch.device("cpu"))[1]
+    return dtype_choice(dtype, "cpu")[1]
 
 
 def _rope(rope: dict | None) -> str:

@@ -38,11 +38,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype_choice(name, device)[0]
 
 
-def dtype_choice(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype `name` means on `device`, and why, in words for the readout and the reports:
-    "auto: this CPU has AVX-512 BF16", "--dtype", ..."""
+def dtype_choice(name: str, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """The dtype `name` means on `device` (a torch.device or its type, "cpu" / "cuda"), and
+    why, in words for the readout and the reports: "auto: this CPU has AVX-512 BF16", "--dtype", ..."""
     if name == "auto":
-        if device.type == "cuda":
+        if getattr(device, "type", device) == "cuda":
             return torch.bfloat16, "auto: bfloat16 on a GPU"
         return cpu_auto_dtype_and_reason()
     if name not in DTYPES:
