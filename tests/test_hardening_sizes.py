@@ -16,7 +16,6 @@ import io
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
