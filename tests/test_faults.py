@@ -40,7 +40,10 @@ pytestmark = pytest.mark.slow
 TWICE = [sys.executable, "-c", "from twice.cli.app import main; main()"]
 PROMPT_PIECE = "The quick brown fox jumps over the lazy dog. "
 PROMPT = ">>>"
-LIMIT = 1.0  # seconds from the signal to the end of the process (or back at the chat prompt)
+# Seconds from the signal to the end of the process (or back at the chat prompt): about 0.1 s
+# on an idle machine; 1.06–1.6 s were seen at a load average of 10 on 2 cores, so the bound is
+# one a busy machine keeps while a hang or a run to the end of the work still fails it.
+LIMIT = 3.0
 
 
 @pytest.fixture(scope="module")
