@@ -45,3 +45,12 @@ def run_subprocess(args: list[str], stdin: bytes | None = None, env: dict | None
     p = subprocess.run([sys.executable, "-c", "from twice.cli.app import main; main()", *args], input=stdin,
                        capture_output=True, env=full_env, timeout=timeout)
     return Run(p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"))
+
+
+def one_error_line(r: Run, code: int = 2) -> str:
+    """The run failed with `code` and said so in exactly one line, with no traceback."""
+    assert r.code == code, r
+    assert "Traceback" not in r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
+    return lines[0]

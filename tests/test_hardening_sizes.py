@@ -22,19 +22,11 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, \
     pre_tokenizers, trainers
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 from twice.core.errors import PromptError, TokenizerError
 from twice.weights.tokenizer import PromptTooLong, Tokenizer, text_bound
 
 import tiny
-
-
-def one_error_line(r, code: int = 2) -> str:
-    assert r.code == code, r
-    assert "Traceback" not in r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 from test_hostile_inputs import write_small_gguf
 
 
@@ -35,13 +35,6 @@ def ours(i, text="earlier") -> bytes:
 
 def ids_of(path: Path) -> list:
     return [json.loads(raw)["id"] for raw in path.read_bytes().splitlines()]
-
-
-def one_error_line(r, code: int = 2) -> str:
-    assert r.code == code, (r.code, r.err)
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
-    return lines[0]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

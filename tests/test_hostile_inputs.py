@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import pytest
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 from tiny import add_gguf_metadata, set_json
 from twice.core.errors import TokenizerError, TwiceError
 
@@ -43,15 +43,6 @@ def read_header(path: Path) -> tuple[dict, bytes]:
 def write_header(path: Path, header: dict, body: bytes, raw: bytes | None = None) -> None:
     encoded = raw if raw is not None else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)
-
-
-def one_error_line(r, code: int = 2) -> str:
-    """The run failed with `code` and said so in exactly one line, with no traceback."""
-    assert r.code == code, r
-    assert "Traceback" not in r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
-    return lines[0]
 
 
 def generate(capsys, folder, *args, prompt="hi", **kw):
