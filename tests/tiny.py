@@ -133,9 +133,8 @@ def add_gguf_metadata(writer, metadata: dict) -> None:
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo), for tests of instruction-set-specific kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    """This CPU's feature flags, for tests of instruction-set-specific kernels: the reader
+    `--dtype auto` decides by (twice.core.device.cpu_flags)."""
+    from twice.core.device import cpu_flags as flags
+
+    return flags()
