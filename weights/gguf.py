@@ -78,7 +78,7 @@ def convert_gguf(
     say(f"reading {src}")
     reader = _open_reader(src)
     with _reading(src):
-        metadata = _read_metadata(reader)
+        metadata = reader.metadata  # plain Python values (strings, numbers, lists)
         rope_freqs = _find_tensor(reader, "rope_freqs.weight")
         config = _model_config(metadata, src, rope_freqs)
         jobs = _plan_tensors(reader, config, src)
@@ -119,11 +119,6 @@ def _reading(src: Path) -> Iterator[None]:
         raise WeightsError(
             f"{src}: truncated or corrupt GGUF file ({type(e).__name__}{': ' + detail if detail else ''})"
         ) from None
-
-
-def _read_metadata(reader) -> dict[str, Any]:
-    """All metadata as plain Python values (strings, numbers, lists)."""
-    return reader.metadata
 
 
 def _find_tensor(reader, name: str):
