@@ -8,7 +8,7 @@ from gguf import quants as gq
 
 from twice.core import quant
 
-ALL = list(quant.CODECS)
+ALL = [n for n, c in quant.CODECS.items() if c.quantized]
 # types the gguf package can quantize (the rest get random valid block bytes)
 QUANTIZABLE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 # byte offsets of the fp16 fields in each block (everything else is free bits)
