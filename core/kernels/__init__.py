@@ -31,8 +31,9 @@ import torch
 
 from ..paths import cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c", "argmax.c", "prefill.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h")]  # part of the build's hash
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c", "argmax.c", "prefill.c",
+                                                             "qdot.c", "qdot_legacy.c", "qdot_kquants.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h", "qdot.h")]  # part of the build's hash
 _STATE: dict = {}
 
 
@@ -92,6 +93,18 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.causal_attention.restype = ctypes.c_int
     handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
                                         i64, p, ctypes.c_float, ctypes.c_int]
+    for name in ("q_row_bytes", "q_act_bytes"):
+        getattr(handle, name).restype = i64
+        getattr(handle, name).argtypes = [ctypes.c_int, i64]
+    handle.q_prepare.restype = None
+    handle.q_prepare.argtypes = [ctypes.c_int, p, i64, i64, p]
+    for name in ("q_gemm", "q_gemm_reference"):
+        getattr(handle, name).restype = None
+        getattr(handle, name).argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, ctypes.c_int]
+    handle.q_gemm_simd.restype = ctypes.c_int
+    handle.q_gemm_simd.argtypes = [ctypes.c_int]
+    handle.q_dequantize.restype = None
+    handle.q_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p, ctypes.c_int]
     return handle
 
 
@@ -234,3 +247,55 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @gemv.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device)
+
+
+def _quant_shapes(lib, data: torch.Tensor, ggml_type: int, n: int) -> int:
+    """The row bytes of `data` ([rows, row_bytes] uint8, contiguous, on the CPU) for rows
+    of `n` values of `ggml_type`; ValueError where they disagree."""
+    row_bytes = lib.q_row_bytes(int(ggml_type), int(n))
+    if row_bytes < 0:
+        raise ValueError(f"ggml type {ggml_type} has no native kernel for rows of {n} values")
+    if not (data.dtype == torch.uint8 and data.dim() == 2 and data.device.type == "cpu" and data.is_contiguous()
+            and data.shape[1] == row_bytes):
+        raise ValueError(f"quantized weight must be contiguous uint8 [rows, {row_bytes}] on the CPU, "
+                         f"got {data.dtype} {tuple(data.shape)} on {data.device.type}")
+    return row_bytes
+
+
+def quant_matmul(x: torch.Tensor, data: torch.Tensor, ggml_type: int, *, lib=None,
+                 reference: bool = False) -> torch.Tensor | None:
+    """x [rows, n] float32 @ W.T, W being `data` [out, row_bytes] as stored in a GGUF (blocks
+    of `ggml_type`, a ggml_type id) → float32 [rows, out], with the activations quantized to
+    int8 blocks as llama.cpp does (qdot.c; for F32/F16/BF16 weights, float dot products).
+    Each row's result is the same whatever the number of rows. None where the kernels did
+    not build. `lib`: another build (tests); `reference`: the portable scalar code."""
+    lib = lib or library()
+    if lib is None:
+        return None
+    if not (x.dim() == 2 and x.device.type == "cpu"):
+        raise ValueError(f"quant_matmul takes a [rows, n] CPU tensor, got {tuple(x.shape)} on {x.device.type}")
+    rows, n = x.shape
+    _quant_shapes(lib, data, ggml_type, n)
+    x = x.to(torch.float32).contiguous()
+    out = data.shape[0]
+    y = torch.empty(rows, out, dtype=torch.float32)
+    if rows == 0 or out == 0:
+        return y
+    xq = torch.empty(rows * lib.q_act_bytes(int(ggml_type), n), dtype=torch.uint8)
+    lib.q_prepare(int(ggml_type), x.data_ptr(), n, rows, xq.data_ptr())
+    gemm = lib.q_gemm_reference if reference else lib.q_gemm
+    gemm(int(ggml_type), data.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, torch.get_num_threads())
+    return y
+
+
+def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None) -> torch.Tensor | None:
+    """`data` [nrows, row_bytes] (blocks of `ggml_type`) → float32 [nrows, n], bit for bit
+    what twice.core.quant.dequantize gives. None where the kernels did not build."""
+    lib = lib or library()
+    if lib is None:
+        return None
+    _quant_shapes(lib, data, ggml_type, n)
+    y = torch.empty(data.shape[0], n, dtype=torch.float32)
+    if data.shape[0]:
+        lib.q_dequantize(int(ggml_type), data.data_ptr(), data.shape[0], n, y.data_ptr(), torch.get_num_threads())
+    return y

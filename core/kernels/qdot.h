@@ -1,0 +1,125 @@
+/* Shared pieces of the quantized-weight kernels (qdot.c, qdot_legacy.c, qdot_kquants.c).
+ *
+ * A weight row is stored as GGUF blocks, exactly as in the file (layouts: core/quant/
+ * __init__.py). The activations are quantized once per call to int8 blocks (q_prepare),
+ * so each block's dot product is integer arithmetic (AVX2 maddubs + madd, or VNNI dpbusd)
+ * with the weight's quants as the unsigned operand and the activation's as the signed one;
+ * a type's offset (Q4_0's 8, Q6_K's 32, ...) and mins go through the activation's block sums.
+ *
+ * Prepared activation rows (q_act_bytes bytes each, a multiple of 64):
+ * - 32-value types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0): int8 qs[n] | float d[n/32] | aux[n/32], where
+ *   aux is int32 -off·Σq for Q4_0 (off 8) and Q5_0 (off 16), float d·Σq for Q4_1/Q5_1, 0 for Q8_0;
+ * - 256-value types (Q2_K..Q6_K, as llama.cpp's Q8_K): int8 qs[n] | float d[n/256] |
+ *   int16 bsums[n/16] (the sum of each 16 quants);
+ * - F32/F16/BF16 weights: the n float32 values.
+ * Quantization: d = max|x|/127 per block, q = round-to-nearest-even(x/d) (so |q| ≤ 127).
+ */
+#ifndef TWICE_QDOT_H
+#define TWICE_QDOT_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum {
+    QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8,
+    QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_BF16 = 30,
+};
+#define QK 32
+#define QKK 256
+
+/* One weight row against nr (1–4) prepared activation rows, x + r·xs each: y[r·ldy] for r < nr.
+ * Every row's result is computed by the same instructions in the same order whatever nr is
+ * (batch invariance). */
+typedef void (*qtile_fn)(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy);
+
+/* Keeps the compiler from fusing a product into the following add (dequantize must round
+ * the product first, as the reference does). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define NOFUSE(v) __asm__("" : "+x"(v))
+#else
+#define NOFUSE(v) do { volatile float nofuse_ = (v); (v) = nofuse_; } while (0)
+#endif
+
+static inline float qd_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t u;
+    float f;
+    if (exp == 0) { /* zero or subnormal: mant · 2^-24, exact */
+        f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float qd_bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Q4_K/Q5_K: 12 bytes → 8 six-bit scales (out[0..7]) and 8 mins (out[8..15]). */
+static inline void qd_scale_min_k4(const uint8_t *s, uint8_t out[16]) {
+    for (int j = 0; j < 4; j++) {
+        out[j] = s[j] & 63;
+        out[8 + j] = s[4 + j] & 63;
+        out[4 + j] = (s[8 + j] & 0x0f) | ((s[j] >> 6) << 4);
+        out[12 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
+    }
+}
+
+/* Q3_K: 12 bytes → 16 six-bit scales minus 32. */
+static inline void qd_scales_q3k(const uint8_t *s, int8_t out[16]) {
+    for (int i = 0; i < 16; i++) {
+        const int low = i < 8 ? s[i] & 0x0f : s[i - 8] >> 4;
+        const int high = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        out[i] = (int8_t)((low | (high << 4)) - 32);
+    }
+}
+
+static inline int64_t qd_round64(int64_t v) { return (v + 63) / 64 * 64; }
+
+#ifdef __AVX2__
+static inline float qd_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc + Σ of each 4 adjacent u8·s8 products, as int32 lanes (no product pair exceeds int16
+ * for our operands, so maddubs never saturates and both forms agree exactly). */
+static inline __m256i qd_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+/* qdot_legacy.c / qdot_kquants.c: the tiles of each family, the AVX2 one where the CPU has
+ * it (NULL otherwise) and the portable scalar reference. */
+qtile_fn twq_legacy_tile(int type, int reference);
+qtile_fn twq_kquant_tile(int type, int reference);
+int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
+int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
+#endif

@@ -1,0 +1,318 @@
+/* The 256-value super-block types against prepared Q8_K-style activations: Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K.
+ *
+ * Per super-block the weight quants (unsigned: Q2_K 0..3, Q3_K 0..7 with its offset 4,
+ * Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 with its offset 32) meet the int8 activations in
+ * integer dot products, each 32 (or 16) of them multiplied by their sub-block's integer
+ * scale in the same madd; the mins (Q2_K/Q4_K/Q5_K) and the offsets (Q3_K/Q6_K) go through
+ * the activation's 16-value block sums. So a super-block costs one or two float products:
+ * d_x·d·Σsc·q·x  (- d_x·dmin·Σmn·bsum). The AVX2 tile unpacks a super-block once for its 1–4
+ * activation rows; each row keeps its own accumulators, summed in the same order whatever
+ * the tile's size. The scalar reference computes the same integers per super-block.
+ */
+#include "qdot.h"
+
+#define K_D(x, n) ((const float *)((x) + (n)))
+#define K_BSUMS(x, n) ((const int16_t *)((x) + (n) + 4 * ((n) / QKK)))
+
+static int kquant_size(int type) {
+    switch (type) {
+    case QT_Q2_K: return 84;
+    case QT_Q3_K: return 110;
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210;
+    }
+    return 0;
+}
+
+/* ---- scalar reference ---------------------------------------------------------------- */
+
+/* A super-block's 256 quants q (unsigned), the scale of each 16 values (sc), the min of
+ * each 16 (mn; for Q3_K/Q6_K the offset·scale is expressed as mn = off·sc with dmin = d),
+ * d and dmin, so that value i = d·sc[i/16]·q[i] - dmin·mn[i/16]. */
+static void kquant_block(int type, const uint8_t *b, int q[QKK], int sc[16], int mn[16], float *d, float *dmin) {
+    switch (type) {
+    case QT_Q2_K: {
+        const uint8_t *qs = b + 16;
+        for (int i = 0; i < 16; i++) { sc[i] = b[i] & 0x0f; mn[i] = b[i] >> 4; }
+        for (int g = 0; g < 8; g++)
+            for (int l = 0; l < 32; l++) q[32 * g + l] = (qs[32 * (g >> 2) + l] >> (2 * (g & 3))) & 3;
+        *d = qd_f16(b + 80);
+        *dmin = qd_f16(b + 82);
+        return;
+    }
+    case QT_Q3_K: {
+        const uint8_t *hm = b, *qs = b + 32;
+        int8_t s[16];
+        qd_scales_q3k(b + 96, s);
+        for (int i = 0; i < 16; i++) { sc[i] = s[i]; mn[i] = 4 * s[i]; }
+        for (int g = 0; g < 8; g++)
+            for (int l = 0; l < 32; l++)
+                q[32 * g + l] = ((qs[32 * (g >> 2) + l] >> (2 * (g & 3))) & 3) | (((hm[l] >> g) & 1) << 2);
+        *d = *dmin = qd_f16(b + 108);
+        return;
+    }
+    case QT_Q4_K:
+    case QT_Q5_K: {
+        uint8_t s[16];
+        qd_scale_min_k4(b + 4, s);
+        for (int i = 0; i < 16; i++) { sc[i] = s[i >> 1]; mn[i] = s[8 + (i >> 1)]; }
+        const uint8_t *qs = b + (type == QT_Q4_K ? 16 : 48), *qh = b + 16;
+        for (int g = 0; g < 8; g++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t v = qs[32 * (g >> 1) + l];
+                q[32 * g + l] = (g & 1 ? v >> 4 : v & 0x0f) | (type == QT_Q5_K ? ((qh[l] >> g) & 1) << 4 : 0);
+            }
+        *d = qd_f16(b);
+        *dmin = qd_f16(b + 2);
+        return;
+    }
+    default: { /* Q6_K */
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int i = 0; i < 16; i++) { sc[i] = (int8_t)b[192 + i]; mn[i] = 32 * sc[i]; }
+        for (int g = 0; g < 8; g++) {
+            const int h = g >> 2, k = g & 3;
+            for (int l = 0; l < 32; l++) {
+                const uint8_t v = ql[64 * h + 32 * (k & 1) + l];
+                q[32 * g + l] = (k & 2 ? v >> 4 : v & 0x0f) | (((qh[32 * h + l] >> (2 * k)) & 3) << 4);
+            }
+        }
+        *d = *dmin = qd_f16(b + 208);
+        return;
+    }
+    }
+}
+
+static float ref_dot(int type, const uint8_t *w, const uint8_t *x, int64_t n) {
+    const int64_t nb = n / QKK;
+    const int8_t *xq = (const int8_t *)x;
+    const float *xd = K_D(x, n);
+    const int16_t *bsums = K_BSUMS(x, n);
+    const int bs = kquant_size(type);
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int q[QKK], sc[16], mn[16];
+        float d, dmin;
+        kquant_block(type, w + b * bs, q, sc, mn, &d, &dmin);
+        int32_t isum = 0, imin = 0;
+        for (int i = 0; i < 16; i++) {
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++) s += q[16 * i + l] * xq[b * QKK + 16 * i + l];
+            isum += sc[i] * s;
+            imin += mn[i] * bsums[b * 16 + i];
+        }
+        if (type == QT_Q3_K || type == QT_Q6_K) sum += xd[b] * d * (float)(isum - imin);
+        else sum += xd[b] * d * (float)isum - xd[b] * dmin * (float)imin;
+    }
+    return sum;
+}
+
+#define REF_TILE(T, NAME)                                                                             \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        for (int r = 0; r < nr; r++) y[r * ldy] = ref_dot(T, w, x + r * xs, n);                      \
+    }
+REF_TILE(QT_Q2_K, ref_q2_k)
+REF_TILE(QT_Q3_K, ref_q3_k)
+REF_TILE(QT_Q4_K, ref_q4_k)
+REF_TILE(QT_Q5_K, ref_q5_k)
+REF_TILE(QT_Q6_K, ref_q6_k)
+
+/* ---- AVX2 ------------------------------------------------------------------------------ */
+#ifdef __AVX2__
+/* Bit k of each byte → 0x10 (Q5_K's fifth bit) or 0x04 (Q3_K's third). The 16-bit shifts
+ * move each byte's bits into place without crossing into the masked bit of its neighbour. */
+#define BIT_TO(v, k, to) _mm256_and_si256((k) <= (to) ? _mm256_slli_epi16(v, (to) - (k)) : _mm256_srli_epi16(v, (k) - (to)), \
+                                          _mm256_set1_epi8(1 << (to)))
+
+/* For 16 int16 scales s (one per 16 values) in a 256-bit register: a vector of
+ * [s[2g] ×8, s[2g+1] ×8], the multipliers of 32-value group g after maddubs. */
+static inline __m256i scales_of_group(__m256i s16, int g) {
+    /* pick int16 2g (low 128-bit half) and 2g+1 (high half) of the scales broadcast to both halves */
+    const __m128i lo = _mm256_castsi256_si128(s16), hi = _mm256_extracti128_si256(s16, 1);
+    const __m128i src = g < 4 ? lo : hi;
+    const int a = (2 * g) & 7, b = (2 * g + 1) & 7;
+    const __m128i pa = _mm_set1_epi16((short)(0x0100 + 0x0202 * a)), pb = _mm_set1_epi16((short)(0x0100 + 0x0202 * b));
+    return _mm256_set_m128i(_mm_shuffle_epi8(src, pb), _mm_shuffle_epi8(src, pa));
+}
+
+static inline __attribute__((always_inline)) void tile_kquant(const int T, const int NR, const uint8_t *w,
+                                                              const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                              int64_t ldy) {
+    const int64_t nb = n / QKK;
+    const int bs = T == QT_Q2_K ? 84 : T == QT_Q3_K ? 110 : T == QT_Q4_K ? 144 : T == QT_Q5_K ? 176 : 210;
+    const int two = T == QT_Q2_K || T == QT_Q4_K || T == QT_Q5_K; /* mins with their own dmin */
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        float d, dmin = 0.0f;
+        __m256i s16, m16; /* the 16 scales and the 16 mins (or offset·scale) as int16 */
+        __m256i q[8];
+        if (T == QT_Q2_K) {
+            const __m128i s = _mm_loadu_si128((const __m128i *)blk);
+            s16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, _mm_set1_epi8(0x0f)));
+            m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0f)));
+            d = qd_f16(blk + 80);
+            dmin = qd_f16(blk + 82);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
+                q[4 * h + 0] = _mm256_and_si256(v, m3);
+                q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+                q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+                q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+            }
+        } else if (T == QT_Q3_K) {
+            int8_t sc[16];
+            qd_scales_q3k(blk + 96, sc);
+            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            m16 = _mm256_slli_epi16(s16, 2);
+            d = qd_f16(blk + 108);
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+                q[4 * h + 0] = _mm256_and_si256(v, m3);
+                q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+                q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+                q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+            }
+            q[0] = _mm256_or_si256(q[0], BIT_TO(hm, 0, 2));
+            q[1] = _mm256_or_si256(q[1], BIT_TO(hm, 1, 2));
+            q[2] = _mm256_or_si256(q[2], BIT_TO(hm, 2, 2));
+            q[3] = _mm256_or_si256(q[3], BIT_TO(hm, 3, 2));
+            q[4] = _mm256_or_si256(q[4], BIT_TO(hm, 4, 2));
+            q[5] = _mm256_or_si256(q[5], BIT_TO(hm, 5, 2));
+            q[6] = _mm256_or_si256(q[6], BIT_TO(hm, 6, 2));
+            q[7] = _mm256_or_si256(q[7], BIT_TO(hm, 7, 2));
+        } else if (T == QT_Q4_K || T == QT_Q5_K) {
+            uint8_t sm[16];
+            qd_scale_min_k4(blk + 4, sm);
+            const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+            const __m128i raw = _mm_loadu_si128((const __m128i *)sm);
+            s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(raw, dup));
+            m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup));
+            d = qd_f16(blk);
+            dmin = qd_f16(blk + 2);
+            const uint8_t *qs = blk + (T == QT_Q4_K ? 16 : 48);
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                q[2 * j] = _mm256_and_si256(v, m4);
+                q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            if (T == QT_Q5_K) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));
+                q[0] = _mm256_or_si256(q[0], BIT_TO(hb, 0, 4));
+                q[1] = _mm256_or_si256(q[1], BIT_TO(hb, 1, 4));
+                q[2] = _mm256_or_si256(q[2], BIT_TO(hb, 2, 4));
+                q[3] = _mm256_or_si256(q[3], BIT_TO(hb, 3, 4));
+                q[4] = _mm256_or_si256(q[4], BIT_TO(hb, 4, 4));
+                q[5] = _mm256_or_si256(q[5], BIT_TO(hb, 5, 4));
+                q[6] = _mm256_or_si256(q[6], BIT_TO(hb, 6, 4));
+                q[7] = _mm256_or_si256(q[7], BIT_TO(hb, 7, 4));
+            }
+        } else { /* Q6_K */
+            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            m16 = _mm256_slli_epi16(s16, 5);
+            d = qd_f16(blk + 208);
+            const __m256i m30 = _mm256_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++) {
+                const __m256i la = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i lb = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30));
+                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30));
+                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_and_si256(hv, m30));
+                q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30));
+            }
+        }
+        __m256i sg[8];
+        for (int g = 0; g < 8; g++) sg[g] = scales_of_group(s16, g);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *xr = x + r * xs;
+            const int8_t *xq = (const int8_t *)xr + b * QKK;
+            __m256i isum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xv), sg[g]));
+            }
+            const __m256i imin = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(K_BSUMS(xr, n) + 16 * b)));
+            const float dx = K_D(xr, n)[b];
+            if (two) {
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dx * dmin), _mm256_cvtepi32_ps(imin), acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, imin)), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) y[r * ldy] = qd_hsum(acc[r]);
+}
+
+#define AVX2_TILE(T, NAME)                                                                            \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        switch (nr) {                                                                                \
+        case 4: tile_kquant(T, 4, w, x, xs, n, y, ldy); return;                                      \
+        case 3: tile_kquant(T, 3, w, x, xs, n, y, ldy); return;                                      \
+        case 2: tile_kquant(T, 2, w, x, xs, n, y, ldy); return;                                      \
+        default: tile_kquant(T, 1, w, x, xs, n, y, ldy); return;                                     \
+        }                                                                                            \
+    }
+AVX2_TILE(QT_Q2_K, avx2_q2_k)
+AVX2_TILE(QT_Q3_K, avx2_q3_k)
+AVX2_TILE(QT_Q4_K, avx2_q4_k)
+AVX2_TILE(QT_Q5_K, avx2_q5_k)
+AVX2_TILE(QT_Q6_K, avx2_q6_k)
+#endif
+
+qtile_fn twq_kquant_tile(int type, int reference) {
+#ifdef __AVX2__
+    if (!reference) switch (type) {
+        case QT_Q2_K: return avx2_q2_k;
+        case QT_Q3_K: return avx2_q3_k;
+        case QT_Q4_K: return avx2_q4_k;
+        case QT_Q5_K: return avx2_q5_k;
+        case QT_Q6_K: return avx2_q6_k;
+        }
+#endif
+    (void)reference;
+    switch (type) {
+    case QT_Q2_K: return ref_q2_k;
+    case QT_Q3_K: return ref_q3_k;
+    case QT_Q4_K: return ref_q4_k;
+    case QT_Q5_K: return ref_q5_k;
+    case QT_Q6_K: return ref_q6_k;
+    }
+    return 0;
+}
+
+/* One row → float32 in the reference's order (core/quant/kquants.py): Q2_K/Q4_K/Q5_K
+ * (d·sc)·q - (dmin·mn), Q3_K (d·(sc-32))·(q-4), Q6_K (d·sc)·(q-32), each product rounded. */
+int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
+    const int bs = kquant_size(type);
+    if (!bs) return -1;
+    for (int64_t b = 0; b < n / QKK; b++) {
+        int q[QKK], sc[16], mn[16];
+        float d, dmin;
+        kquant_block(type, w + b * bs, q, sc, mn, &d, &dmin);
+        float *o = out + b * QKK;
+        for (int i = 0; i < 16; i++) {
+            const float dl = d * (float)sc[i];
+            if (type == QT_Q3_K || type == QT_Q6_K) {
+                const int off = type == QT_Q3_K ? 4 : 32;
+                for (int l = 0; l < 16; l++) o[16 * i + l] = dl * (float)(q[16 * i + l] - off);
+            } else {
+                const float ml = dmin * (float)mn[i];
+                for (int l = 0; l < 16; l++) {
+                    float t = dl * (float)q[16 * i + l];
+                    NOFUSE(t);
+                    o[16 * i + l] = t - ml;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,200 @@
+/* The 32-value block types against prepared int8 activations: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+ *
+ * Per block, the weight quants q (unsigned: 0..15, 0..31; Q8_0's signed ones by the sign
+ * trick, |w|·sign(x, w)) meet the activation's int8 quants in one integer dot product;
+ * Q4_0/Q5_0's offset enters as the integer -off·Σx_q the activation row carries, so
+ * d_w·d_x·(Σq·x_q - off·Σx_q) is exact up to one float product per block; Q4_1/Q5_1's min
+ * adds m·(d_x·Σx_q). The AVX2 tile unpacks each weight block once for its 1–4 activation
+ * rows; each row keeps its own accumulator, summed in the same order whatever the tile's
+ * size. The scalar reference computes the same integers and adds block by block.
+ */
+#include "qdot.h"
+
+#define LEGACY_AUX(x, n) ((const void *)((x) + (n) + 4 * ((n) / QK)))
+
+/* ---- scalar reference ---------------------------------------------------------------- */
+
+/* A block's weight quants as integers (offset applied) and its d, m. */
+static void legacy_block(int type, const uint8_t *b, int q[QK], float *d, float *m) {
+    *d = qd_f16(b);
+    *m = 0.0f;
+    const uint8_t *qs;
+    uint32_t qh = 0;
+    switch (type) {
+    case QT_Q8_0:
+        for (int j = 0; j < QK; j++) q[j] = (int8_t)b[2 + j];
+        return;
+    case QT_Q4_0: qs = b + 2; break;
+    case QT_Q4_1: *m = qd_f16(b + 2); qs = b + 4; break;
+    case QT_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; break;
+    default: /* Q5_1 */ *m = qd_f16(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
+    }
+    for (int j = 0; j < 16; j++) {
+        q[j] = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+    const int off = type == QT_Q4_0 ? 8 : type == QT_Q5_0 ? 16 : 0;
+    for (int j = 0; j < QK; j++) q[j] -= off;
+}
+
+static int legacy_size(int type) {
+    switch (type) {
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q5_0: return 22;
+    case QT_Q5_1: return 24;
+    case QT_Q8_0: return 34;
+    }
+    return 0;
+}
+
+static float ref_dot(int type, const uint8_t *w, const uint8_t *x, int64_t n) {
+    const int64_t nb = n / QK;
+    const int8_t *xq = (const int8_t *)x;
+    const float *xd = (const float *)(x + n);
+    const float *xs = (const float *)LEGACY_AUX(x, n);
+    const int bs = legacy_size(type);
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int q[QK];
+        float d, m;
+        legacy_block(type, w + b * bs, q, &d, &m);
+        int32_t isum = 0;
+        for (int j = 0; j < QK; j++) isum += q[j] * xq[b * QK + j];
+        sum += d * xd[b] * (float)isum;
+        if (type == QT_Q4_1 || type == QT_Q5_1) sum += m * xs[b];
+    }
+    return sum;
+}
+
+#define REF_TILE(T, NAME)                                                                             \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        for (int r = 0; r < nr; r++) y[r * ldy] = ref_dot(T, w, x + r * xs, n);                      \
+    }
+REF_TILE(QT_Q4_0, ref_q4_0)
+REF_TILE(QT_Q4_1, ref_q4_1)
+REF_TILE(QT_Q5_0, ref_q5_0)
+REF_TILE(QT_Q5_1, ref_q5_1)
+REF_TILE(QT_Q8_0, ref_q8_0)
+
+/* ---- AVX2 ------------------------------------------------------------------------------ */
+#ifdef __AVX2__
+/* 16 bytes of nibbles → 32 bytes: low nibbles (values 0..15) in the low half, high ones above. */
+static inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits → 32 bytes, byte j = 0x10 where bit j is set (the 5th bit of value j). */
+static inline __m256i bits32_to_0x10(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) void tile_legacy(const int T, const int NR, const uint8_t *w,
+                                                              const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                              int64_t ldy) {
+    const int64_t nb = n / QK;
+    const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
+    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
+    __m256 acc[4];
+    float accm[4];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        const float d = qd_f16(blk);
+        float m = 0.0f;
+        __m256i q, sgn = _mm256_setzero_si256();
+        if (T == QT_Q8_0) {
+            sgn = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            q = _mm256_sign_epi8(sgn, sgn);
+        } else if (T == QT_Q4_0) {
+            q = nibbles32(blk + 2);
+        } else if (T == QT_Q4_1) {
+            m = qd_f16(blk + 2);
+            q = nibbles32(blk + 4);
+        } else if (T == QT_Q5_0) {
+            q = _mm256_or_si256(nibbles32(blk + 6), bits32_to_0x10(blk + 2));
+        } else {
+            m = qd_f16(blk + 2);
+            q = _mm256_or_si256(nibbles32(blk + 8), bits32_to_0x10(blk + 4));
+        }
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *xr = x + r * xs;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QK));
+            if (T == QT_Q8_0) xv = _mm256_sign_epi8(xv, sgn);
+            __m256i p = has_off ? _mm256_zextsi128_si256(_mm_cvtsi32_si128(((const int32_t *)LEGACY_AUX(xr, n))[b]))
+                                : _mm256_setzero_si256();
+            p = qd_dot_u8s8(p, q, xv);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ((const float *)(xr + n))[b]), _mm256_cvtepi32_ps(p), acc[r]);
+            if (has_min) accm[r] += m * ((const float *)LEGACY_AUX(xr, n))[b];
+        }
+    }
+    for (int r = 0; r < NR; r++) y[r * ldy] = qd_hsum(acc[r]) + accm[r];
+}
+
+#define AVX2_TILE(T, NAME)                                                                            \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        switch (nr) {                                                                                \
+        case 4: tile_legacy(T, 4, w, x, xs, n, y, ldy); return;                                      \
+        case 3: tile_legacy(T, 3, w, x, xs, n, y, ldy); return;                                      \
+        case 2: tile_legacy(T, 2, w, x, xs, n, y, ldy); return;                                      \
+        default: tile_legacy(T, 1, w, x, xs, n, y, ldy); return;                                     \
+        }                                                                                            \
+    }
+AVX2_TILE(QT_Q4_0, avx2_q4_0)
+AVX2_TILE(QT_Q4_1, avx2_q4_1)
+AVX2_TILE(QT_Q5_0, avx2_q5_0)
+AVX2_TILE(QT_Q5_1, avx2_q5_1)
+AVX2_TILE(QT_Q8_0, avx2_q8_0)
+#endif
+
+qtile_fn twq_legacy_tile(int type, int reference) {
+#ifdef __AVX2__
+    if (!reference) switch (type) {
+        case QT_Q4_0: return avx2_q4_0;
+        case QT_Q4_1: return avx2_q4_1;
+        case QT_Q5_0: return avx2_q5_0;
+        case QT_Q5_1: return avx2_q5_1;
+        case QT_Q8_0: return avx2_q8_0;
+        }
+#endif
+    (void)reference;
+    switch (type) {
+    case QT_Q4_0: return ref_q4_0;
+    case QT_Q4_1: return ref_q4_1;
+    case QT_Q5_0: return ref_q5_0;
+    case QT_Q5_1: return ref_q5_1;
+    case QT_Q8_0: return ref_q8_0;
+    }
+    return 0;
+}
+
+/* One row of n values → float32, in the reference's order of operations (core/quant/legacy.py:
+ * Q8_0 q·d, Q4_0/Q5_0 d·(q - off), Q4_1/Q5_1 (d·q) + m, each product rounded). */
+int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
+    const int bs = legacy_size(type);
+    if (!bs) return -1;
+    for (int64_t b = 0; b < n / QK; b++) {
+        int q[QK];
+        float d, m;
+        legacy_block(type, w + b * bs, q, &d, &m);
+        float *o = out + b * QK;
+        if (type == QT_Q4_1 || type == QT_Q5_1) {
+            for (int j = 0; j < QK; j++) {
+                float t = d * (float)q[j];
+                NOFUSE(t);
+                o[j] = t + m;
+            }
+        } else {
+            for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
+        }
+    }
+    return 0;
+}
