@@ -78,7 +78,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
 def place_parameters(model: torch.nn.Module) -> bool:
     """Move `model`'s CPU parameters (not yet written: their storage is untouched) into one
     anonymous mapping advised for huge pages. True if done."""
-    params = [p for p in model.parameters() if p.device.type == "cpu"]
+    params = [p for p in [*model.parameters(), *model.buffers()] if p.device.type == "cpu"]
     if not params:
         return False
     sizes = [(p.nbytes + 4095) // 4096 * 4096 for p in params]

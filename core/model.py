@@ -16,6 +16,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .hugepages import keep_freed_memory
 from .parallel import SINGLE, Shard
+from .qweight import product
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,13 @@ class CausalLM(torch.nn.Module):
         cache.length += t
         if not all_logits:
             h = h[:, -1]
-        logits = torch.nn.functional.linear(h, self.lm_head_weight)
+        logits = product(h, self.lm_head_weight)
         return self.shard.all_gather_last(logits) if self.vocab_parallel else logits
 
     def weight_bytes(self) -> int:
+        """Bytes of every parameter and block buffer (each stored tensor once)."""
         seen, total = set(), 0
-        for p in self.parameters():
+        for p in [*self.parameters(), *self.buffers()]:
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.nbytes

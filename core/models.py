@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .config import ModelConfig
@@ -10,6 +12,7 @@ from .gpt2 import GPT2Model
 from .llama import LlamaModel
 from .model import CausalLM
 from .parallel import SINGLE, Shard
+from .qweight import materialize, store_as_blocks
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "llama": LlamaModel,
@@ -20,15 +23,23 @@ FAMILIES: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = SINGLE) -> CausalLM:
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = SINGLE,
+                layouts: Callable[[CausalLM], dict[str, list[tuple[str, int]]]] | None = None) -> CausalLM:
     """The model's modules with storage allocated on `device` in `dtype` but not
     initialized (see layers.Linear): the loader fills every parameter. (Building on the
-    meta device would do the same but imports torch's meta kernels, ~80 MB resident.)"""
+    meta device would do the same but imports torch's meta kernels, ~80 MB resident.)
+
+    `layouts`, given the model's modules, names the weights stored as blocks and their row
+    groups (qweight.store_as_blocks): then the model is built on the meta device first, so
+    that the float matrices those replace are never allocated."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device if layouts is None else "meta"):
             model = FAMILIES[config.model_type](config, shard)
+        if layouts is not None:
+            store_as_blocks(model, layouts(model), device)
+            materialize(model, device)
     finally:
         torch.set_default_dtype(previous)
     if config.tie_word_embeddings and hasattr(model, "lm_head"):

@@ -15,8 +15,8 @@ Three things llama.cpp changed on the way in are undone here:
 * the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
   the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
 
-Only what can be converted exactly is accepted: the llama architecture with a byte-level
-BPE ("gpt2") tokenizer. Anything else is refused with a one-line `UnsupportedModelError`;
+Only what can be converted exactly is accepted: the llama, qwen2 and qwen3 architectures
+with the tokenizers gguf_tokenizer.py rebuilds. Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
 folder appears at `dest` only once it is complete (it is written beside it and renamed).
@@ -44,11 +44,14 @@ from .gguf_file import GGUF_MAGIC, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architecture → the Hugging Face class its config names.
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 Progress = Callable[[str], None]
+GGUF_SOURCE = "gguf.json"  # in a folder made with weights=False: the GGUF file its tensors come from
 
 
 # -- public entry point --------------------------------------------------------------------
@@ -61,12 +64,17 @@ def convert_gguf(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
+    weights: bool = True,
 ) -> Path:
     """Convert the GGUF file `src` into a Hugging Face model folder at `dest`; return `dest`.
 
     `dtype` is the dtype of the written tensors ("float32", "bfloat16" or "float16"). An existing
     non-empty `dest` is refused unless `overwrite` is set. `progress`, if given, is called with a
     short line for each step. Raises WeightsError or UnsupportedModelError, naming the file.
+
+    With `weights=False` only the model's description is written (config, generation config,
+    tokenizer: a few MB, from the header alone) plus `gguf.json` naming `src`, whose tensors
+    are then loaded as stored (gguf_load.py): the folder a GGUF runs from without a float copy.
     """
     src, dest = Path(src), Path(dest)
     if dtype not in OUTPUT_DTYPES:
@@ -81,7 +89,7 @@ def convert_gguf(
         metadata = reader.metadata  # plain Python values (strings, numbers, lists)
         rope_freqs = _find_tensor(reader, "rope_freqs.weight")
         config = _model_config(metadata, src, rope_freqs)
-        jobs = _plan_tensors(reader, config, src)
+        jobs = _plan_tensors(reader, config, src, dequantized=weights)
         tokenizer, tokenizer_config = build_tokenizer(metadata, config, src)
     config["torch_dtype"] = config["dtype"] = dtype
 
@@ -90,7 +98,12 @@ def convert_gguf(
         _write_json(folder / "generation_config.json", _generation_config(metadata, config))
         _save_tokenizer(tokenizer, folder / "tokenizer.json")
         _write_json(folder / "tokenizer_config.json", tokenizer_config)
-        _write_safetensors(folder / "model.safetensors", jobs, OUTPUT_DTYPES[dtype], src, say)
+        if weights:
+            _write_safetensors(folder / "model.safetensors", jobs, OUTPUT_DTYPES[dtype], src, say)
+        else:
+            st = src.stat()
+            _write_json(folder / GGUF_SOURCE, {"file": str(src.resolve()), "size": st.st_size,
+                                               "mtime_ns": st.st_mtime_ns})
     say(f"wrote {dest}")
     return dest
 
@@ -129,14 +142,14 @@ def _find_tensor(reader, name: str):
 
 
 def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
-    """config.json for a Hugging Face LlamaForCausalLM, from the `llama.*` metadata."""
+    """config.json for the Hugging Face model of the file's architecture, from its `ARCH.*` metadata."""
     arch = require(metadata, "general.architecture", src)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if metadata.get(f"{arch}.expert_count", 0):
-        raise UnsupportedModelError(f"{src}: mixture-of-experts llama models (e.g. Mixtral) are not supported")
+        raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models (e.g. Mixtral) are not supported")
 
     hidden = positive_int(metadata, f"{arch}.embedding_length", src)
     heads = positive_int(metadata, f"{arch}.attention.head_count", src)
@@ -147,7 +160,7 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
         raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
     head_dim = positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
     if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
-        raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which llama cannot express")
+        raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which {arch} cannot express")
     # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them.
     if metadata.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModelError(
@@ -165,8 +178,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     rope_theta = positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
 
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": positive_int(metadata, f"{arch}.feed_forward_length", src),
@@ -282,6 +295,8 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_TENSORS = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -292,7 +307,7 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that are not weights of the HF model (read into the config instead).
 _CONSUMED_TENSORS = ("rope_freqs.weight",)
 
@@ -309,7 +324,8 @@ class _TensorJob:
 
 
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape, for every weight a llama of this config has (lm_head included)."""
+    """HF name -> shape, for every weight a model of this config has (lm_head included):
+    qwen2 adds q/k/v biases, qwen3 q/k norms over each head."""
     h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     q = config["num_attention_heads"] * config["head_dim"]
     kv = config["num_key_value_heads"] * config["head_dim"]
@@ -319,9 +335,15 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
         "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
     }
+    per_layer = {f"{leaf}.weight": shape for leaf, shape in per_layer.items()}
+    if config["model_type"] == "qwen2":
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if config["model_type"] == "qwen3":
+        d = config["head_dim"]
+        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     for layer in range(config["num_hidden_layers"]):
         for leaf, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{leaf}.weight"] = shape
+            shapes[f"model.layers.{layer}.{leaf}"] = shape
     return shapes
 
 
@@ -330,11 +352,11 @@ def _hf_name(gguf_name: str, layers: int) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match and int(match[1]) < layers and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{int(match[1])}.{_LAYER_TENSORS[match[2]]}.weight"
+        return f"model.layers.{int(match[1])}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
     return None
 
 
-def _plan_tensors(reader, config: dict, src: Path) -> list[_TensorJob]:
+def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> list[_TensorJob]:
     """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
     up front, so a file that cannot be converted is refused before anything is written."""
     layers, count = config["num_hidden_layers"], len(reader.tensors)
@@ -348,13 +370,15 @@ def _plan_tensors(reader, config: dict, src: Path) -> list[_TensorJob]:
         name = _hf_name(tensor.name, config["num_hidden_layers"])
         if name is None:
             raise UnsupportedModelError(
-                f"{src}: tensor {tensor.name} has no counterpart in a llama model (biases, experts and "
+                f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model (experts and "
                 "extra layers are not supported)"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        if name not in expected:
+            raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model")
         if shape != expected[name]:
             raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(expected[name])}")
-        _check_quantization(tensor, src)
+        _check_quantization(tensor, src) if dequantized else _check_stored_type(tensor, shape, src)
         found[name] = _TensorJob(tensor, name, shape, _permuted_heads(tensor.name, config))
 
     config["tie_word_embeddings"] = "lm_head.weight" not in found
@@ -366,7 +390,10 @@ def _plan_tensors(reader, config: dict, src: Path) -> list[_TensorJob]:
 
 
 def _permuted_heads(gguf_name: str, config: dict) -> int:
-    """llama.cpp permuted q_proj per attention head and k_proj per key/value head."""
+    """llama.cpp permuted q_proj per attention head and k_proj per key/value head, for the
+    llama architecture only (its RoPE rotates adjacent pairs there; qwen's rotates halves)."""
+    if config["model_type"] != "llama":
+        return 0
     if gguf_name.endswith(".attn_q.weight"):
         return config["num_attention_heads"]
     if gguf_name.endswith(".attn_k.weight"):
@@ -381,6 +408,23 @@ def _check_quantization(tensor, src: Path) -> None:
             f"{src}: tensor {tensor.name} uses quantization type {name}, which cannot be dequantized "
             "(supported: F32, F16, BF16 and the Q*/IQ* types the gguf package implements)"
         )
+
+
+def _check_stored_type(tensor, shape: tuple[int, ...], src: Path) -> None:
+    """A tensor loaded as stored: a type twice's codecs hold (twice.core.quant), and for
+    vectors (norms, biases) a float type."""
+    from twice.core import quant
+
+    name = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+    c = quant.BY_GGML_TYPE.get(int(tensor.tensor_type))
+    if c is None:
+        known = ", ".join(quant.CODECS)
+        raise UnsupportedModelError(
+            f"{src}: tensor {tensor.name} has type {name}, which twice cannot run as stored (supported: {known}); "
+            "--dequantize converts types the gguf package knows into a float copy")
+    if len(shape) == 1 and c.quantized:
+        raise UnsupportedModelError(f"{src}: tensor {tensor.name} is a vector stored as {name}; twice needs vectors "
+                                    "(norms, biases) in F32, F16 or BF16")
 
 
 @lru_cache(maxsize=None)

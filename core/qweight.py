@@ -1,0 +1,274 @@
+"""Weights stored as GGUF blocks: the format is a property of the weight, not of the code path.
+
+A float model's linear layer holds a float matrix; a quantized one holds a `BlockWeight`:
+the rows of a matrix [out, in] as the blocks a GGUF file stores (core/quant's codecs),
+possibly in row groups of different types (a fused q/k/v whose v rows are Q6_K while q and
+k are Q4_K, as llama.cpp's Q4_K_M mixes them). Every path asks the weight for what it
+needs instead of reading `.weight` as a float tensor:
+
+* the eager layers call `product(x, weight, bias)` (a float weight: F.linear; blocks: the
+  native integer kernel for a few rows, else dequantized tile by tile into the activation
+  dtype and multiplied: prefill's shape, where the matrix product dominates);
+* the embedding asks for rows (`BlockWeight.rows`);
+* the native decode step asks for each part's pointer and type id (native_decode.py);
+* sizes and readouts ask for `nbytes` and `formats()`.
+
+The blocks live in the owning module's buffers (so .to(), state_dict and the huge-page
+placement see them); `BlockWeight` is a cheap view built on each access.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .quant import Codec, codec
+
+# Rows dequantized at once in the float product: bounds the temporary to a few MiB per
+# call however large the matrix (a 150k-row vocabulary head would otherwise need ~1 GB).
+_DEQUANTIZE_ROWS = 2048
+# Up to this many activation rows, products go through the integer kernel (decode-sized
+# work: one read of the blocks for all rows); beyond, the float product (prefill).
+_KERNEL_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Part:
+    """`rows` consecutive output rows of a weight, each stored as `codec` blocks in `data`
+    (uint8 [rows, codec.row_bytes(in_features)])."""
+
+    codec: Codec
+    rows: int
+    data: torch.Tensor
+
+
+class BlockWeight:
+    """A matrix [out_features, in_features] stored as GGUF blocks (see the module doc)."""
+
+    def __init__(self, parts: list[Part], in_features: int):
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].data.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self.parts)
+
+    def formats(self) -> Counter:
+        """Values stored per type name."""
+        out: Counter = Counter()
+        for p in self.parts:
+            out[p.codec.name] += p.rows * self.in_features
+        return out
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) as a float tensor in `dtype`."""
+        stop = self.out_features if stop is None else stop
+        pieces, row = [], 0
+        for p in self.parts:
+            lo, hi = max(start, row), min(stop, row + p.rows)
+            if lo < hi:
+                pieces.append(_dequantize(p, lo - row, hi - row, self.in_features).to(dtype))
+            row += p.rows
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows `ids` (any shape) as float → ids.shape + [in_features] (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.in_features, dtype=dtype, device=self.device)
+        row = 0
+        for p in self.parts:
+            inside = (flat >= row) & (flat < row + p.rows)
+            if bool(inside.any()):
+                picked = p.data.index_select(0, flat[inside] - row)
+                out[inside] = _dequantize(Part(p.codec, picked.shape[0], picked), 0, picked.shape[0],
+                                          self.in_features).to(dtype)
+            row += p.rows
+        return out.view(*ids.shape, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] @ self.T → [..., out_features] in x's dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        outs = [_part_product(x2, p, self.in_features) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.view(*lead, self.out_features)
+
+
+def _dequantize(p: Part, start: int, stop: int, n: int) -> torch.Tensor:
+    """Rows [start, stop) of one part as float32: the native dequantizer where it built
+    (bit-exact with the reference), else core/quant's torch reference."""
+    data = p.data[start:stop]
+    if data.device.type == "cpu":
+        got = _native('dequantize_rows')(data.contiguous(), p.codec.ggml_type, n)
+        if got is not None:
+            return got
+    return _reference_dequantize(data, p.codec)
+
+
+def _native(name: str):
+    """A native kernel wrapper (None results where the kernels did not build)."""
+    return getattr(kernels, name, lambda *a: None)
+
+
+def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
+    rows = data.shape[0]
+    return c.dequantize_blocks(data.reshape(-1, c.type_size)).reshape(rows, -1)
+
+
+def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
+    """x [rows, n] @ part.T → [rows, part.rows] in x's dtype."""
+    if x.device.type == "cpu" and x.shape[0] <= _KERNEL_ROWS and p.codec.quantized:
+        y = _native('quant_matmul')(x.float().contiguous(), p.data, p.codec.ggml_type)
+        if y is not None:
+            return y.to(x.dtype)
+    if p.rows <= _DEQUANTIZE_ROWS:
+        return F.linear(x, _dequantize(p, 0, p.rows, n).to(x.dtype))
+    y = torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device)
+    for lo in range(0, p.rows, _DEQUANTIZE_ROWS):
+        hi = min(p.rows, lo + _DEQUANTIZE_ROWS)
+        y[:, lo:hi] = F.linear(x, _dequantize(p, lo, hi, n).to(x.dtype))
+    return y
+
+
+def product(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for a float weight or a BlockWeight: the one place every path
+    multiplies by a weight whose format it does not know."""
+    if isinstance(weight, BlockWeight):
+        y = weight.matmul(x)
+        return y + bias if bias is not None else y
+    return F.linear(x, weight, bias)
+
+
+def weight_format(weight) -> str:
+    """A weight's storage as a type name: "Q4_K", "F32", "BF16", or "Q4_K+Q6_K" for mixed parts."""
+    if isinstance(weight, BlockWeight):
+        return "+".join(dict.fromkeys(p.codec.name for p in weight.parts))
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(weight.dtype, str(weight.dtype))
+
+
+class _Blocks(torch.nn.Module):
+    """Holds a BlockWeight's parts as buffers `blocks0`, `blocks1`, ..."""
+
+    def _init_blocks(self, layout: list[tuple[str, int]], in_features: int, device) -> None:
+        self.in_features = in_features
+        self.codecs = [codec(name) for name, _ in layout]
+        for i, ((_, rows), c) in enumerate(zip(layout, self.codecs)):
+            self.register_buffer(f"blocks{i}", torch.empty(rows, c.row_bytes(in_features), dtype=torch.uint8,
+                                                           device=device))
+
+    @property
+    def weight(self) -> BlockWeight:
+        parts = [Part(c, getattr(self, f"blocks{i}").shape[0], getattr(self, f"blocks{i}"))
+                 for i, c in enumerate(self.codecs)]
+        return BlockWeight(parts, self.in_features)
+
+    def part_for_row(self, row: int) -> tuple[str, int]:
+        """(buffer name, first row) of the part holding output row `row`."""
+        start = 0
+        for i in range(len(self.codecs)):
+            rows = getattr(self, f"blocks{i}").shape[0]
+            if start <= row < start + rows:
+                return f"blocks{i}", start
+            start += rows
+        raise IndexError(row)
+
+
+class BlockLinear(_Blocks):
+    """A linear layer whose weight is stored as blocks; `layout` lists (type name, rows)
+    per part, top to bottom."""
+
+    def __init__(self, in_features: int, out_features: int, layout: list[tuple[str, int]], bias: torch.Tensor | None,
+                 device, shard=None):
+        super().__init__()
+        if sum(rows for _, rows in layout) != out_features:
+            raise ValueError("the parts' rows do not add up to the output features")
+        self.out_features = out_features
+        self._init_blocks(layout, in_features, device)
+        self.bias = bias
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard is None or not self.shard.active:
+            return product(x, self.weight, self.bias)
+        y = self.shard.all_reduce(product(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class BlockEmbedding(_Blocks):
+    def __init__(self, num_embeddings: int, embedding_dim: int, type_name: str, device):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self._init_blocks([(type_name, num_embeddings)], embedding_dim, device)
+        self.dtype = torch.get_default_dtype()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids, self.dtype)
+
+
+def store_as_blocks(model: torch.nn.Module, layouts: dict[str, list[tuple[str, int]]], device) -> None:
+    """Replace each Linear / Embedding of `model` named in `layouts` (by its weight's
+    parameter name, "layers.0.mlp.down_proj.weight") with its block-stored twin. Called on a
+    model built on the meta device (nothing allocated yet); the biases are kept."""
+    modules = dict(model.named_modules())
+    for param, layout in layouts.items():
+        name = param.removesuffix(".weight")
+        old = modules[name]
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        if isinstance(old, torch.nn.Embedding):
+            (type_name, _), = layout
+            new = BlockEmbedding(old.num_embeddings, old.embedding_dim, type_name, device)
+            new.dtype = old.weight.dtype
+        else:
+            new = BlockLinear(old.in_features, old.out_features, layout, old.bias, device,
+                              shard=getattr(old, "shard", None))
+            for attr in ("intermediate",):  # attributes callers read off the layer
+                if hasattr(old, attr):
+                    setattr(new, attr, getattr(old, attr))
+        setattr(parent, leaf, new)
+        modules[name] = new
+
+
+def materialize(model: torch.nn.Module, device) -> None:
+    """Give every parameter still on the meta device real (uninitialized) storage on `device`."""
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[key] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                             requires_grad=False)
+
+
+def weight_formats(model: torch.nn.Module) -> dict:
+    """What the model's weights are stored as: values per type name, bytes, bits per weight
+    (over the matrices and embeddings; norms and biases are counted in `other_bytes`)."""
+    values: Counter = Counter()
+    matrix_bytes = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, _Blocks):
+            w = module.weight
+            values.update(w.formats())
+            matrix_bytes += w.nbytes
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            w = module.weight
+            if w.data_ptr() in seen:
+                continue
+            seen.add(w.data_ptr())
+            values[weight_format(w)] += w.numel()
+            matrix_bytes += w.nbytes
+    total = sum(values.values())
+    return {"types": dict(values.most_common()), "matrix_bytes": matrix_bytes,
+            "bits_per_weight": 8 * matrix_bytes / total if total else 0.0}

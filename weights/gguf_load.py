@@ -1,0 +1,141 @@
+"""Loading a GGUF file's tensors as stored: no float copy on disk or in memory.
+
+A GGUF runs from the folder resolve.py describes it in (config, tokenizer, and gguf.json
+naming the file). Here its tensor table is matched to the model's parameters by the same
+plan the float conversion uses (gguf.py: names, shapes, llama's q/k row order), and:
+
+* every matrix (a linear layer's or the embedding's weight) is stored as the file stores
+  it: its block bytes are read straight into the model's block buffers (twice.core.qweight),
+  row groups of a fused q/k/v or gate/up keeping each their own type; the rows llama.cpp
+  permuted for its RoPE are put back in Hugging Face's order (whole rows: a block never
+  spans two rows);
+* vectors (norms, biases) and float matrices already in the model's dtype are read into
+  ordinary parameters.
+
+The file is read with pread into the buffers, never memory-mapped whole: resident memory
+is the model's own tensors, about the file's tensor bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from twice.core.errors import ModelNotFoundError, UnsupportedModelError, WeightsError
+from twice.core.model import CausalLM
+from twice.core.quant import BY_GGML_TYPE
+
+from .files import open_regular, read_json
+from .gguf import GGUF_SOURCE, _find_tensor, _load_weight, _model_config, _open_reader, _plan_tensors, _reading, \
+    _TensorJob, _unpermute_rows
+
+_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype → ggml type id
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a described folder runs from (None for an ordinary model folder)."""
+    marker = folder / GGUF_SOURCE
+    if not marker.exists():
+        return None
+    entry = read_json(marker, WeightsError)
+    file = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(file, str):
+        raise WeightsError(f"{marker}: has no \"file\" naming the GGUF it describes")
+    path = Path(file)
+    try:
+        st = path.stat()
+    except OSError:
+        raise ModelNotFoundError(f"{marker}: the GGUF it describes, {path}, is gone") from None
+    if st.st_size != entry.get("size") or st.st_mtime_ns != entry.get("mtime_ns"):
+        raise ModelNotFoundError(f"{marker}: {path} changed since it was read; give the .gguf file itself again")
+    return path
+
+
+class StoredTensors:
+    """A GGUF file's tensors matched to a model of its config (planned once, read by `fill`)."""
+
+    def __init__(self, src: Path):
+        self.src = src
+        self.reader = _open_reader(src)
+        with _reading(src):
+            config = _model_config(self.reader.metadata, src, _find_tensor(self.reader, "rope_freqs.weight"))
+            self.jobs: dict[str, _TensorJob] = {j.name: j for j in _plan_tensors(self.reader, config, src,
+                                                                                  dequantized=False)}
+
+    def tensor_bytes(self) -> int:
+        return sum(j.tensor.n_bytes for j in self.jobs.values())
+
+    def layouts(self, model: CausalLM, dtype: torch.dtype) -> dict[str, list[tuple[str, int]]]:
+        """Which weights of `model` (built on the meta device) are stored as blocks, and in
+        which row groups: every matrix whose file type is not already the model's dtype."""
+        targets = model.targets()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        parts: dict[str, list[tuple[int, str, int]]] = {}
+        for name, job in self.jobs.items():
+            target = targets[name]
+            if len(job.shape) != 2 or target.transpose:
+                continue
+            rows = target.rows if target.rows is not None else params[target.param].shape[0]
+            parts.setdefault(target.param, []).append((target.row, BY_GGML_TYPE[int(job.tensor.tensor_type)].name,
+                                                       rows))
+        keep_float = {p for p, ps in parts.items() if all(_FLOAT_TYPES.get(dtype) == _type_id(t) for _, t, _ in ps)}
+        layouts = {p: [(t, rows) for _, t, rows in sorted(ps)] for p, ps in parts.items() if p not in keep_float}
+        if layouts and model.shard.active:
+            raise UnsupportedModelError(
+                f"{self.src}: tensor parallelism over quantized weights is not supported yet; "
+                "run it on one process, or load it with --dequantize")
+        return layouts
+
+    def fill(self, model: CausalLM) -> None:
+        """Read every tensor into `model` (built with `layouts`)."""
+        targets = model.targets()
+        modules = dict(model.named_modules())
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with open_regular(self.src, WeightsError) as f, torch.inference_mode():
+            fd = f.fileno()
+            for name, job in self.jobs.items():
+                target = targets[name]
+                module = modules.get(target.param.removesuffix(".weight"))
+                if hasattr(module, "part_for_row"):  # stored as blocks
+                    buffer, first = module.part_for_row(target.row)
+                    rows = job.shape[0]
+                    dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
+                    self._read_blocks(fd, job, dest)
+                    continue
+                param = params[target.param]
+                dest = param if target.rows is None else param[target.row: target.row + target.rows]
+                if dest.dtype in _FLOAT_TYPES and _FLOAT_TYPES[dest.dtype] == int(job.tensor.tensor_type) \
+                        and not job.unpermute_heads and len(job.shape) == 2:
+                    self._read_blocks(fd, job, dest.view(torch.uint8).view(dest.shape[0], -1))
+                    continue
+                weight = torch.from_numpy(np.array(_load_weight(job, self.src), dtype=np.float32))
+                if not bool(torch.isfinite(weight).all()):
+                    raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
+                dest.copy_(weight)
+
+    def _read_blocks(self, fd: int, job: _TensorJob, dest: torch.Tensor) -> None:
+        """The tensor's bytes as stored into `dest` (uint8 [rows, row_bytes]), rows put back
+        in Hugging Face's order where llama.cpp permuted them."""
+        t = job.tensor
+        if dest.numel() != t.n_bytes or not dest.is_contiguous():
+            raise WeightsError(f"{self.src}: tensor {t.name} holds {t.n_bytes} bytes, its place {dest.numel()}")
+        target = dest if not job.unpermute_heads else torch.empty_like(dest)
+        view = memoryview(target.numpy()).cast("B")
+        done = 0
+        while done < t.n_bytes:
+            got = os.preadv(fd, [view[done:]], t.data_offset + done)
+            if got <= 0:
+                raise WeightsError(f"{self.src}: truncated at tensor {t.name}")
+            done += got
+        if job.unpermute_heads:
+            order = _unpermute_rows(np.arange(dest.shape[0]), job.unpermute_heads)
+            dest.copy_(target[torch.from_numpy(np.ascontiguousarray(order))])
+
+
+def _type_id(type_name: str) -> int:
+    from twice.core.quant import CODECS
+
+    return CODECS[type_name].ggml_type
