@@ -1,0 +1,404 @@
+"""`twice quantize MODEL OUT.gguf --type TYPE`: tiny models of each architecture written as
+GGUF, read back by our header checks (gguf_file.read_gguf) and the gguf package's reader,
+their tensors equal to the float ones within each type's error, and (llama) converted back by
+`twice convert` into the same model. llama.cpp itself loads them in a slow test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clirun import one_error_line, run_inprocess
+import tiny
+
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+# Relative RMS error of a tensor's values after the round trip (measured on the tiny models:
+# q8_0 ~0.004, q4_0 ~0.08, f16 ~2e-4, bf16 ~2e-3; the bounds leave room and still fail a
+# wrong layout, whose error is ~1.4).
+REL_RMS = {"f32": 0.0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.01, "q5_0": 0.05, "q5_1": 0.05, "q4_0": 0.12,
+           "q4_1": 0.12}
+
+
+def _quantize(tmp_path, capsys, folder, kind, name=None, *extra):
+    out = tmp_path / (name or f"{folder.name}-{kind}.gguf")
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", kind, *extra], capsys)
+    assert r.code == 0, r
+    return out, r
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("transformer."): v.float() for k, v in load_file(folder / "model.safetensors").items()}
+
+
+def _expected(folder: Path, family: str) -> dict[str, np.ndarray]:
+    """The float tensors in llama.cpp's names and layout, built here independently of the writer:
+    llama's q/k rows interleaved per head (convert_hf_to_gguf.py's permute), GPT-2's Conv1D
+    matrices transposed."""
+    cfg = json.loads((folder / "config.json").read_text())
+    t = _hf_tensors(folder)
+    out: dict[str, np.ndarray] = {}
+    if family == "gpt2":
+        out["token_embd.weight"] = t["wte.weight"]
+        out["position_embd.weight"] = t["wpe.weight"]
+        out["output_norm.weight"], out["output_norm.bias"] = t["ln_f.weight"], t["ln_f.bias"]
+        leaves = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+                  "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+        for i in range(cfg["n_layer"]):
+            for hf, g in leaves.items():
+                w = t[f"h.{i}.{hf}.weight"]
+                out[f"blk.{i}.{g}.weight"] = w.t() if w.dim() == 2 else w
+                out[f"blk.{i}.{g}.bias"] = t[f"h.{i}.{hf}.bias"]
+        return {k: v.contiguous().numpy() for k, v in out.items()}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w, n):
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    out["token_embd.weight"] = t["model.embed_tokens.weight"]
+    out["output_norm.weight"] = t["model.norm.weight"]
+    if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
+        out["output.weight"] = t["lm_head.weight"]
+    leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    for name, w in t.items():
+        if not name.startswith("model.layers."):
+            continue
+        _, _, i, *rest = name.split(".")
+        leaf, kind = ".".join(rest[:-1]), rest[-1]
+        g = leaves[leaf]
+        if ARCHES[family] == "llama" and g in ("attn_q", "attn_k"):
+            w = permute(w, heads if g == "attn_q" else kv_heads)
+        out[f"blk.{i}.{g}.{kind}"] = w
+    return {k: v.contiguous().numpy() for k, v in out.items()}
+
+
+def _dequantized(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    result = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        result[t.name] = (t.tensor_type.name, np.asarray(values, dtype=np.float32).reshape(shape))
+    return result
+
+
+def _metadata(path: Path) -> dict:
+    from twice.weights.gguf_file import read_gguf
+
+    return read_gguf(path).metadata
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_0"])
+def test_tensors_round_trip(tmp_path, capsys, model_dirs, family, kind):
+    folder = model_dirs(family)
+    out, _ = _quantize(tmp_path, capsys, folder, kind)
+    expected = _expected(folder, family)
+    got = _dequantized(out)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        type_name, values = got[name]
+        assert values.shape == want.shape, name
+        one_d = want.ndim == 1 or name.endswith(("_norm.weight", ".bias")) or name == "position_embd.weight"
+        if one_d or kind == "f32":
+            assert type_name == "F32", name
+            np.testing.assert_array_equal(values, want, err_msg=name)
+            continue
+        assert type_name == kind.upper(), name
+        rel = float(np.sqrt(np.mean((values - want) ** 2)) / np.sqrt(np.mean(want**2)))
+        assert rel <= REL_RMS[kind], (name, rel)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_metadata_is_what_llama_cpp_reads(tmp_path, capsys, model_dirs, family, tokenizer):
+    folder = model_dirs(family)
+    out, _ = _quantize(tmp_path, capsys, folder, "q8_0")
+    md = _metadata(out)
+    arch = ARCHES[family]
+    cfg = json.loads((folder / "config.json").read_text())
+    assert md["general.architecture"] == arch
+    assert md["general.file_type"] == 7 and md["general.quantization_version"] == 2
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    assert md[f"{arch}.embedding_length"] == hidden
+    assert md[f"{arch}.block_count"] == cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    assert md[f"{arch}.context_length"] == cfg.get("max_position_embeddings", cfg.get("n_positions"))
+    assert md[f"{arch}.attention.head_count"] == cfg.get("num_attention_heads", cfg.get("n_head"))
+    if family == "gpt2":
+        assert md[f"{arch}.feed_forward_length"] == 4 * hidden
+        assert md[f"{arch}.attention.layer_norm_epsilon"] == pytest.approx(cfg["layer_norm_epsilon"])
+    else:
+        assert md[f"{arch}.attention.head_count_kv"] == cfg["num_key_value_heads"]
+        assert md[f"{arch}.feed_forward_length"] == cfg["intermediate_size"]
+        assert md[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"])
+        rope = cfg.get("rope_parameters") or {}
+        assert md[f"{arch}.rope.freq_base"] == pytest.approx(rope.get("rope_theta", cfg.get("rope_theta", 1e4)))
+    if family == "qwen3":  # head_dim 24, not hidden / heads = 16
+        assert md["qwen3.attention.key_length"] == md["qwen3.attention.value_length"] == 24
+    if family == "llama":
+        assert md["llama.rope.dimension_count"] == hidden // cfg["num_attention_heads"]
+    # the tokenizer: every token under its id, types, merges, specials, flags, template
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = md["tokenizer.ggml.tokens"]
+    assert len(tokens) == tiny.VOCAB and all(tokens[i] == t for t, i in vocab.items())
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "gpt-2"
+    types = md["tokenizer.ggml.token_type"]
+    assert [types[vocab[s]] for s in tiny.SPECIAL] == [3, 3, 3] and types.count(1) == tiny.VOCAB - 3
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    assert md["tokenizer.ggml.merges"] == [m if isinstance(m, str) else " ".join(m) for m in merges]
+    assert md["tokenizer.ggml.bos_token_id"] == 0 and md["tokenizer.ggml.eos_token_id"] == 2
+    assert md["tokenizer.ggml.padding_token_id"] == 0
+    assert md["tokenizer.ggml.add_bos_token"] is False and md["tokenizer.ggml.add_eos_token"] is False
+    assert md["tokenizer.chat_template"] == tiny.CHAT_TEMPLATE
+
+
+def test_llama3_rope_and_pre_tokenizers(tmp_path, capsys, model_dirs):
+    """llama3 RoPE scaling becomes rope_freqs.weight (what convert_hf_to_gguf writes), and the
+    pre-tokenizer of SmolLM (digits) and of Qwen2 get their llama.cpp names."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from twice.weights.gguf import _llama3_divisors
+
+    folder = model_dirs("llama3")
+    out, _ = _quantize(tmp_path, capsys, folder, "q8_0")
+    got = _dequantized(out)
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    want = _llama3_divisors(rope, rope["rope_theta"], 16).astype(np.float32)
+    assert got["rope_freqs.weight"][0] == "F32"
+    np.testing.assert_array_equal(got["rope_freqs.weight"][1], want)
+    assert "output.weight" not in got  # tied: llama.cpp uses token_embd
+
+    from twice.weights.gguf_tokenizer import _QWEN2_SPLIT
+
+    for pre, name in (
+        (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                  pre_tokenizers.ByteLevel(add_prefix_space=False)]), "smollm"),
+        (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), "qwen2"),
+    ):
+        copy = tmp_path / name
+        copy.mkdir()
+        for f in folder.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        tok = tiny.train_tokenizer()
+        tok.pre_tokenizer = pre
+        tok.save(str(copy / "tokenizer.json"))
+        out, _ = _quantize(tmp_path, capsys, copy, "f16")
+        assert _metadata(out)["tokenizer.ggml.pre"] == name
+
+
+@pytest.mark.parametrize("family, kind", [("llama", "f32"), ("llama", "q8_0"), ("mistral", "f32")])
+def test_convert_back_gives_the_same_model(tmp_path, capsys, model_dirs, tokenizer, kind, family):
+    """`twice convert` of our output (the GGUF → folder path) is the same model: transformers'
+    logits within float rounding (f32) or the quantization's error (q8_0), and the same tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model_dirs(family)
+    out, _ = _quantize(tmp_path, capsys, folder, kind)
+    back = tmp_path / "back"
+    r = run_inprocess(["convert", str(out), str(back)], capsys)
+    assert r.code == 0, r
+    ids = torch.tensor([tokenizer.encode(tiny.CORPUS[0]).ids[:10]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(back).eval()(ids).logits
+    tol = 1e-4 if kind == "f32" else 0.02 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tol
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) or kind != "f32"
+    hf_a, hf_b = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(back)
+    for text in tiny.CORPUS[:7]:
+        assert hf_b.encode(text) == hf_a.encode(text)
+    assert hf_b.chat_template == hf_a.chat_template
+
+
+def test_a_gguf_input_is_quantized_from_its_float_values(tmp_path, capsys, model_dirs):
+    folder = model_dirs("llama")
+    f32, _ = _quantize(tmp_path, capsys, folder, "f32")
+    q8, _ = _quantize(tmp_path, capsys, f32, "q8_0", "from-gguf.gguf")
+    direct, _ = _quantize(tmp_path, capsys, folder, "q8_0", "direct.gguf")
+    a, b = _dequantized(q8), _dequantized(direct)
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name][0] == b[name][0]
+        np.testing.assert_array_equal(a[name][1], b[name][1], err_msg=name)
+
+
+def test_summary_json(tmp_path, capsys, model_dirs):
+    folder = model_dirs("qwen2")
+    out, r = _quantize(tmp_path, capsys, folder, "q4_0", None, "--json")
+    s = json.loads(r.out)
+    assert s["type"] == "q4_0" and s["architecture"] == "qwen2" and s["path"] == str(out)
+    assert s["tensor_types"]["Q4_0"] == 15 and sum(s["tensor_types"].values()) == s["tensors"]
+    assert s["file_bytes"] == out.stat().st_size > s["tensor_bytes"] == sum(s["tensor_type_bytes"].values())
+    params = sum(v.numel() for v in _hf_tensors(folder).values())
+    assert s["parameters"] == params
+    assert s["bits_per_weight"] == pytest.approx(8 * s["tensor_bytes"] / params, abs=1e-3)
+    assert 4.5 < s["bits_per_weight"] < 5.5  # Q4_0 is 4.5 bits; the norms and biases are F32
+    r = run_inprocess(["quantize", str(folder), str(tmp_path / "plain.gguf"), "--type", "q4_0"], capsys)
+    assert r.code == 0 and "Q4_0" in r.out and "bits per weight" in r.out
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_existing_output_is_kept_without_overwrite(tmp_path, capsys, model_dirs):
+    folder = model_dirs("llama")
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"precious")
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys)
+    assert "exists (pass --overwrite to replace it)" in one_error_line(r)
+    assert out.read_bytes() == b"precious"
+    _quantize(tmp_path, capsys, folder, "q8_0", "out.gguf", "--overwrite")
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.parametrize("bad", ["q9_0", "iq4_xs", ""])
+def test_unknown_type_is_one_line(tmp_path, capsys, model_dirs, bad):
+    r = run_inprocess(["quantize", str(model_dirs("llama")), str(tmp_path / "o.gguf"), "--type", bad], capsys)
+    assert "is not a quantization type; choose one of" in one_error_line(r)
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_output_that_is_a_folder_or_a_link_is_refused(tmp_path, capsys, model_dirs):
+    folder = model_dirs("llama")
+    (tmp_path / "dir.gguf").mkdir()
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    (tmp_path / "link.gguf").symlink_to(target)
+    for name, words in (("dir.gguf", "is a folder"), ("link.gguf", "symbolic link")):
+        r = run_inprocess(["quantize", str(folder), str(tmp_path / name), "--type", "q8_0", "--overwrite"], capsys)
+        assert words in one_error_line(r)
+    assert target.read_bytes() == b"keep" and (tmp_path / "link.gguf").is_symlink()
+    r = run_inprocess(["quantize", str(folder), str(tmp_path / "no" / "o.gguf"), "--type", "q8_0"], capsys)
+    assert "does not exist" in one_error_line(r)
+
+
+def test_row_length_no_block_fits_is_one_line(tmp_path, capsys, tokenizer):
+    """Rows of 40 values: no 32-value block type holds them (llama.cpp refuses them too)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path / "odd"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=40, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tiny.save_tokenizer(folder, tokenizer)
+    for kind in ("q8_0", "q4_k_m"):
+        r = run_inprocess(["quantize", str(folder), str(tmp_path / "o.gguf"), "--type", kind], capsys)
+        line = one_error_line(r)
+        assert "token_embd.weight (rows of 40 values) cannot be stored as" in line, line
+        assert not (tmp_path / "o.gguf").exists()
+    _quantize(tmp_path, capsys, folder, "f16")  # a float type holds any row
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failure_midway_leaves_nothing_behind(tmp_path, capsys, model_dirs, monkeypatch, existing):
+    """The disk fills after 3 tensors: one line, no OUT (or the old OUT unchanged), no temporary file."""
+    import errno
+
+    import gguf
+
+    folder = model_dirs("qwen3")
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out.gguf"
+    if existing:
+        out.write_bytes(b"old model")
+    calls = {"n": 0}
+    real = gguf.GGUFWriter.write_tensor_data
+
+    def failing(self, tensor, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing)
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0", "--overwrite"], capsys)
+    assert "cannot write the GGUF file (No space left on device)" in one_error_line(r)
+    assert calls["n"] == 4
+    assert (out.read_bytes() == b"old model") if existing else not out.exists()
+    assert _leftovers(work) == []
+
+
+def test_a_bad_tensor_midway_leaves_nothing_behind(tmp_path, capsys, model_dirs, monkeypatch):
+    """A quantizer that fails on the 5th tensor (here: NaN in the checkpoint) ends the same way."""
+    from safetensors.torch import save_file
+
+    src = model_dirs("llama")
+    folder = tmp_path / "nan"
+    folder.mkdir()
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out.gguf"
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q4_0"], capsys)
+    assert "'model.layers.1.mlp.up_proj.weight' contains NaN or infinite values" in one_error_line(r)
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+# -- llama.cpp itself (outside CI: needs llama-cpp-python) ---------------------------------
+
+
+def _llama_cpp_python() -> str | None:
+    """A Python that can import llama_cpp: this one, or TWICE_LLAMA_CPP_PYTHON (the peer
+    benchmark's virtual environment, e.g. /work/peer-venv/bin/python)."""
+    try:
+        import llama_cpp  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        pass
+    other = os.environ.get("TWICE_LLAMA_CPP_PYTHON")
+    if other and Path(other).is_file():
+        ok = subprocess.run([other, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+        return other if ok else None
+    return None
+
+
+_LOAD_AND_TOKENIZE = """
+import json, sys
+import numpy as np
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], verbose=False, n_ctx=64, n_threads=1, logits_all=True)
+texts = json.loads(sys.argv[2])
+ids = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+llm.eval(ids[0][:8])
+logits = np.asarray(llm.scores[:8])
+print(json.dumps({"ids": ids, "n_vocab": llm.n_vocab(), "finite": bool(np.isfinite(logits).all()),
+                  "argmax": logits.argmax(-1).tolist()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_llama_cpp_loads_the_output(tmp_path, capsys, model_dirs, tokenizer, family, kind):
+    python = _llama_cpp_python()
+    if python is None:
+        pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
+    out, _ = _quantize(tmp_path, capsys, model_dirs(family), kind)
+    texts = tiny.CORPUS[:7] + ["<|im_start|>user\nHi<|im_end|>\n"]
+    p = subprocess.run([python, "-c", _LOAD_AND_TOKENIZE, str(out), json.dumps(texts)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["n_vocab"] == tiny.VOCAB
+    assert result["ids"] == [tokenizer.encode(t).ids for t in texts]

@@ -1,0 +1,641 @@
+"""A model folder → a GGUF file llama.cpp loads: metadata, tokenizer and (quantized) tensors.
+
+The other direction of weights/gguf.py, in the spelling llama.cpp's convert_hf_to_gguf.py
+and llama-quantize write:
+
+* the config as `ARCH.*` keys (block_count, context_length, embedding_length,
+  feed_forward_length, attention.head_count / head_count_kv, rope.freq_base, the norm
+  epsilon, key/value_length where config.json gives head_dim, rope.dimension_count for
+  llama, RoPE scaling: linear and yarn as keys, llama3 as the `rope_freqs.weight` tensor);
+* the tokenizer as `tokenizer.ggml.*`: byte-level BPE only (model "gpt2"): tokens, token
+  types, merges, the `pre` name that stands for the tokenizer.json's pre-tokenizer, the
+  bos/eos/pad/unk ids, add_bos/add_eos as the tokenizer does them, the chat template;
+* the tensors under llama.cpp's names (`blk.N.attn_q.weight`, ...), with llama's q/k rows
+  permuted for llama.cpp's RoPE (qwen2/qwen3 rotate halves as HF does: no permutation) and
+  GPT-2's Conv1D matrices transposed; each in the type the mixture gives it (norms, biases
+  and every 1-D tensor stay F32, as llama.cpp keeps them; so do position embeddings).
+
+Architectures: llama (also Mistral, written as llama: llama.cpp has no sliding window for
+it), qwen2, qwen3, gpt2. Everything that can be refused is checked before a byte is written;
+the file is written beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
+tensor's float values in memory at a time), so a failure midway leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from twice.core.config import ModelConfig
+from twice.core.errors import ConfigError, TokenizerError, TwiceError, UnsupportedModelError, WeightsError
+
+# --type names → (general.file_type, the mixture's base type). Aliases as llama-quantize takes them.
+MIXTURES: dict[str, tuple[int, str]] = {
+    "f32": (0, "F32"), "f16": (1, "F16"), "bf16": (32, "BF16"),
+    "q8_0": (7, "Q8_0"), "q4_0": (2, "Q4_0"), "q4_1": (3, "Q4_1"), "q5_0": (8, "Q5_0"), "q5_1": (9, "Q5_1"),
+    "q2_k": (10, "Q2_K"), "q3_k_m": (12, "Q3_K"), "q4_k_s": (14, "Q4_K"), "q4_k_m": (15, "Q4_K"),
+    "q5_k_s": (16, "Q5_K"), "q5_k_m": (17, "Q5_K"), "q6_k": (18, "Q6_K"),
+}
+ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
+_FLOAT_MIXTURES = ("f32", "f16", "bf16")
+
+# twice's model_type → llama.cpp's architecture name
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+# What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# llama.cpp's token types (gguf.TokenType)
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_CHUNK_VALUES = 1 << 22  # rows are converted and quantized this many float32 values at a time
+
+
+def canonical_mixture(name: str) -> str:
+    """The mixture a --type name stands for ("q4_k" → "q4_k_m"); UsageError for others."""
+    from twice.core.errors import UsageError
+
+    key = str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in MIXTURES:
+        raise UsageError(f"--type {name!r} is not a quantization type; choose one of {', '.join(MIXTURES)} "
+                         f"(or {', '.join(ALIASES)})")
+    return key
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorPlan:
+    """One tensor of the output: where its values come from and what it becomes."""
+
+    name: str  # llama.cpp's name
+    shape: tuple[int, ...]  # rows first (numpy order)
+    type_name: str  # "F32", "Q4_K", ...
+    read: Callable[[], torch.Tensor]  # → float32 values in llama.cpp's layout, `shape`
+    source: str = ""  # the checkpoint tensor it comes from
+
+    @property
+    def nbytes(self) -> int:
+        from twice.core import quant
+
+        codec = quant.codec(self.type_name)
+        rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        return rows * codec.row_bytes(self.shape[-1])
+
+
+@dataclass
+class Summary:
+    """What was written (printed by the CLI, also as --json)."""
+
+    path: str
+    model: str
+    architecture: str
+    mixture: str
+    tensors: int = 0
+    types: dict[str, int] = field(default_factory=dict)  # tensors per type
+    type_bytes: dict[str, int] = field(default_factory=dict)  # tensor bytes per type
+    parameters: int = 0
+    tensor_bytes: int = 0
+    file_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.tensor_bytes / self.parameters if self.parameters else 0.0
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "model": self.model, "architecture": self.architecture, "type": self.mixture,
+                "tensors": self.tensors, "tensor_types": dict(self.types), "tensor_type_bytes": dict(self.type_bytes),
+                "parameters": self.parameters, "tensor_bytes": self.tensor_bytes, "file_bytes": self.file_bytes,
+                "bits_per_weight": round(self.bits_per_weight, 4), "seconds": round(self.seconds, 3)}
+
+
+Progress = Callable[[int, int, TensorPlan], None]
+
+
+def write_gguf(folder: Path, out: Path, mixture: str, *, overwrite: bool = False, name: str | None = None,
+               progress: Progress | None = None) -> Summary:
+    """Write the model in `folder` (config.json, safetensors, tokenizer.json) as the GGUF file
+    `out`, its tensors in `mixture`'s types. An existing `out` is refused unless
+    `overwrite`; `progress(i, n, plan)` is called before each tensor. Returns the summary."""
+    from .files import read_json
+    from .files import read_config
+    from .safe_write import refuse_non_regular
+
+    t0 = time.perf_counter()
+    folder, out = Path(folder), Path(out)
+    mixture = canonical_mixture(mixture)
+    _check_destination(out, overwrite)
+    config = read_config(folder)
+    raw = read_json(folder / "config.json", ConfigError)
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise UnsupportedModelError(f"{folder}: model type {config.model_type!r} cannot be written as GGUF")
+    _check_supported(config, raw, folder)
+    metadata = _model_metadata(config, raw, arch, mixture, name or folder.name)
+    metadata += _tokenizer_metadata(folder, config)
+    plans = _plan(folder, config, arch, mixture)
+    summary = Summary(str(out), name or str(folder), arch, mixture)
+    summary.tensors = len(plans)
+    for p in plans:
+        summary.types[p.type_name] = summary.types.get(p.type_name, 0) + 1
+        summary.type_bytes[p.type_name] = summary.type_bytes.get(p.type_name, 0) + p.nbytes
+        summary.parameters += math.prod(p.shape) if p.name != "rope_freqs.weight" else 0
+        summary.tensor_bytes += p.nbytes
+
+    refuse_non_regular(out, WeightsError)
+    _write_file(out, arch, metadata, plans, overwrite, progress)
+    summary.file_bytes = out.stat().st_size
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    from .safe_write import refuse_non_regular
+
+    refuse_non_regular(out, WeightsError)  # a link, a folder, a FIFO: never written through
+    if out.exists() and not overwrite:
+        raise WeightsError(f"{out}: exists (pass --overwrite to replace it)")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise WeightsError(f"{out}: the folder {parent} does not exist")
+
+
+def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
+    """What twice loads but llama.cpp's architecture cannot express is refused here."""
+    if config.model_type == "gpt2":
+        if config.scale_attn_by_inverse_layer_idx or not config.scale_attn_weights:
+            raise UnsupportedModelError(f"{folder}: GPT-2 attention scaling options (scale_attn_weights false, "
+                                        "scale_attn_by_inverse_layer_idx) have no GGUF form")
+        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            raise UnsupportedModelError(f"{folder}: GPT-2 with activation {config.hidden_act!r} has no GGUF form")
+        return
+    if config.hidden_act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
+                                    f"{config.model_type} (llama.cpp uses SiLU)")
+    if config.o_bias and config.model_type != "llama":
+        raise UnsupportedModelError(f"{folder}: an output-projection bias has no GGUF form for {config.model_type}")
+
+
+# -- metadata ------------------------------------------------------------------------------
+
+
+def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, name: str) -> list[tuple[str, str, Any]]:
+    """(key, GGUF value type, value) for general.* and ARCH.*, as convert_hf_to_gguf writes them."""
+    import gguf
+
+    file_type = MIXTURES[mixture][0]
+    kv: list[tuple[str, str, Any]] = [
+        ("general.type", "string", "model"),
+        ("general.name", "string", name),
+        ("general.file_type", "uint32", file_type),
+        ("general.quantization_version", "uint32", gguf.GGML_QUANT_VERSION),
+        (f"{arch}.vocab_size", "uint32", config.vocab_size),
+        (f"{arch}.context_length", "uint32", config.max_position_embeddings),
+        (f"{arch}.embedding_length", "uint32", config.hidden_size),
+        (f"{arch}.feed_forward_length", "uint32", config.intermediate_size),
+        (f"{arch}.block_count", "uint32", config.num_hidden_layers),
+        (f"{arch}.attention.head_count", "uint32", config.num_attention_heads),
+        (f"{arch}.attention.head_count_kv", "uint32", config.num_key_value_heads),
+    ]
+    if arch == "gpt2":
+        kv.append((f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps))
+        return kv
+    kv.append((f"{arch}.attention.layer_norm_rms_epsilon", "float32", config.rms_norm_eps))
+    if raw.get("head_dim") is not None or config.head_dim * config.num_attention_heads != config.hidden_size:
+        kv += [(f"{arch}.attention.key_length", "uint32", config.head_dim),
+               (f"{arch}.attention.value_length", "uint32", config.head_dim)]
+    if arch == "llama":
+        kv.append((f"{arch}.rope.dimension_count", "uint32", config.head_dim))
+    rope = config.rope_parameters or {}
+    kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        kv += [(f"{arch}.rope.scaling.type", "string", "linear"),
+               (f"{arch}.rope.scaling.factor", "float32", float(rope["factor"]))]
+    elif kind == "yarn":
+        kv += [(f"{arch}.rope.scaling.type", "string", "yarn"),
+               (f"{arch}.rope.scaling.factor", "float32", float(rope.get("factor") or 1.0)),
+               (f"{arch}.rope.scaling.original_context_length", "uint32",
+                int(rope["original_max_position_embeddings"]))]
+        for key, gguf_key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if rope.get(key) is not None:
+                kv.append((f"{arch}.rope.scaling.{gguf_key}", "float32", float(rope[key])))
+    return kv
+
+
+def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, str, Any]]:
+    """tokenizer.ggml.* for a byte-level BPE tokenizer.json, as convert_hf_to_gguf's
+    _set_vocab_gpt2 and gguf.SpecialVocab write them."""
+    from .files import MAX_JSON_BYTES, read_json
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer(folder)
+    path = folder / "tokenizer.json"
+    data = read_json(path, TokenizerError, MAX_JSON_BYTES)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise UnsupportedModelError(f"{path}: a {kind or 'non-BPE'} tokenizer cannot be written as GGUF; "
+                                    "supported: byte-level BPE (GGUF's \"gpt2\" tokenizer)")
+    if model.get("byte_fallback"):
+        raise UnsupportedModelError(f"{path}: a BPE tokenizer with byte fallback (SentencePiece style) cannot be "
+                                    "written as GGUF yet; supported: byte-level BPE")
+    pre = _pre_name(data.get("pre_tokenizer"), path)
+
+    added = {}
+    for entry in data.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
+            added[entry["id"]] = entry
+    reverse: dict[int, str] = {}
+    for token, index in model["vocab"].items():
+        if isinstance(index, int) and not isinstance(index, bool):
+            reverse[index] = token
+    for index, entry in added.items():
+        reverse[index] = entry["content"]
+    size = config.vocab_size
+    largest = max(reverse, default=-1)
+    if largest >= size:
+        raise TokenizerError(f"{path}: token id {largest:,} does not fit the model's vocab_size {size:,}")
+    tokens, types = [], []
+    for i in range(size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(_USER_DEFINED)
+        elif i in added:
+            tokens.append(reverse[i])
+            types.append(_CONTROL if added[i].get("special") else _USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(_NORMAL)
+    merges = []
+    for merge in model.get("merges") or []:
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(p, str) and p and " " not in p for p in pair):
+            raise TokenizerError(f"{path}: merge {merge!r} is not two tokens without spaces")
+        merges.append(f"{pair[0]} {pair[1]}")
+
+    kv: list[tuple[str, str, Any]] = [
+        ("tokenizer.ggml.model", "string", "gpt2"),
+        ("tokenizer.ggml.pre", "string", pre),
+        ("tokenizer.ggml.tokens", "strings", tokens),
+        ("tokenizer.ggml.token_type", "int32s", types),
+        ("tokenizer.ggml.merges", "strings", merges),
+    ]
+    ids = {}
+    for key, special in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
+                         ("unknown_token_id", "unk_token"), ("padding_token_id", "pad_token")):
+        value = tok.token_id(tok.special_tokens.get(special))
+        if value is None and key in ("bos_token_id", "eos_token_id"):
+            from_config = config.bos_token_id if key == "bos_token_id" else next(iter(config.eos_token_id), None)
+            value = from_config
+        if value is not None and 0 <= value < size:
+            ids[key] = value
+            kv.append((f"tokenizer.ggml.{key}", "uint32", value))
+    add_bos, add_eos = _adds_specials(tok, ids.get("bos_token_id"), ids.get("eos_token_id"))
+    kv += [("tokenizer.ggml.add_bos_token", "bool", add_bos), ("tokenizer.ggml.add_eos_token", "bool", add_eos)]
+    if tok.chat_template:
+        kv.append(("tokenizer.chat_template", "string", tok.chat_template))
+    return kv
+
+
+def _adds_specials(tok, bos: int | None, eos: int | None) -> tuple[bool, bool]:
+    """Whether encoding with special tokens puts BOS in front / EOS at the end, as the
+    tokenizer itself does it (its post-processor), so llama.cpp encodes the same way."""
+    plain = tok.hf.encode("a", add_special_tokens=False).ids
+    full = tok.hf.encode("a", add_special_tokens=True).ids
+    if len(full) <= len(plain):
+        return False, False
+    add_bos = bos is not None and full[0] == bos and full[1 : 1 + len(plain)] == plain
+    add_eos = eos is not None and full[-1] == eos and full[-1 - len(plain) : -1] == plain
+    return add_bos, add_eos
+
+
+def _pre_name(pre: Any, path: Path) -> str:
+    """tokenizer.ggml.pre for a tokenizer.json pre-tokenizer: the names llama.cpp's loader knows
+    for the same splitting (checked by structure; an unknown one is refused rather than
+    written as a name that would split text differently in llama.cpp)."""
+    def byte_level(step, regex: bool) -> bool:
+        return (isinstance(step, dict) and step.get("type") == "ByteLevel" and not step.get("add_prefix_space", False)
+                and bool(step.get("use_regex", True)) == regex)
+
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    steps = steps if isinstance(steps, list) else [steps]
+    if len(steps) == 1 and byte_level(steps[0], True):
+        return "gpt-2"
+    if len(steps) == 2 and byte_level(steps[1], True) and isinstance(steps[0], dict) \
+            and steps[0].get("type") == "Digits" and steps[0].get("individual_digits"):
+        return "smollm"
+    if len(steps) == 2 and byte_level(steps[1], False) and isinstance(steps[0], dict) and steps[0].get("type") == "Split":
+        split = steps[0]
+        pattern = split.get("pattern") or {}
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if split.get("behavior") == "Isolated" and not split.get("invert"):
+            if regex == _QWEN2_SPLIT:
+                return "qwen2"
+            if regex == _LLAMA3_SPLIT:
+                return "llama-bpe"
+    raise UnsupportedModelError(f"{path}: its pre-tokenizer matches none llama.cpp knows by name (supported: GPT-2's "
+                                "byte-level regex, SmolLM's digits + byte-level, Qwen2's and Llama 3's split patterns)")
+
+
+# -- tensors -------------------------------------------------------------------------------
+
+_LLAMA_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
+}
+_LLAMA_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+_GPT2_LAYER = {
+    "ln_1.weight": "attn_norm.weight", "ln_1.bias": "attn_norm.bias",
+    "attn.c_attn.weight": "attn_qkv.weight", "attn.c_attn.bias": "attn_qkv.bias",
+    "attn.c_proj.weight": "attn_output.weight", "attn.c_proj.bias": "attn_output.bias",
+    "ln_2.weight": "ffn_norm.weight", "ln_2.bias": "ffn_norm.bias",
+    "mlp.c_fc.weight": "ffn_up.weight", "mlp.c_fc.bias": "ffn_up.bias",
+    "mlp.c_proj.weight": "ffn_down.weight", "mlp.c_proj.bias": "ffn_down.bias",
+}
+_GPT2_GLOBAL = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
+                "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+_GPT2_CONV1D = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
+_IGNORED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+_LAYER = re.compile(r"(?:model\.layers|h)\.(\d+)\.(.+)")
+
+
+def _gguf_name(hf: str, arch: str, layers: int) -> str | None:
+    if arch == "gpt2":
+        hf = hf.removeprefix("transformer.")
+        table, glob = _GPT2_LAYER, _GPT2_GLOBAL
+    else:
+        table, glob = _LLAMA_LAYER, _LLAMA_GLOBAL
+        if not hf.startswith(("model.", "lm_head.")):
+            return None
+    if hf in glob:
+        return glob[hf]
+    m = _LAYER.fullmatch(hf)
+    if m and (arch == "gpt2") == hf.startswith("h.") and int(m[1]) < layers and m[2] in table:
+        return f"blk.{int(m[1])}.{table[m[2]]}"
+    return None
+
+
+def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from HF's rotate-half
+    order (first half, second half) to interleaved pairs, for ggml's RoPE (the inverse of
+    weights/gguf.py's _unpermute_rows)."""
+    rows = weight.shape[0]
+    return (weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[TensorPlan]:
+    """Every output tensor, in llama.cpp's order, with its type checked to fit its rows."""
+    from .checkpoint import checkpoint_files, iter_tensors
+
+    files = checkpoint_files(folder, config)
+    layers = config.num_hidden_layers
+    found: dict[str, TensorPlan] = {}
+    unknown: list[str] = []
+    for hf, tf in iter_tensors(files):
+        if hf.endswith(_IGNORED):
+            continue
+        name = _gguf_name(hf, arch, layers)
+        if name is None:
+            unknown.append(hf)
+            continue
+        if name == "output.weight" and config.tie_word_embeddings:
+            continue  # the head is the embedding: llama.cpp uses token_embd when output is absent
+        if name in found:
+            continue  # GPT-2's names with and without "transformer.": the loader checks they agree
+        shape = tuple(tf.shape(hf))
+        transform = None
+        if arch == "llama" and name.endswith((".attn_q.weight", ".attn_q.bias")):
+            transform = ("permute", config.num_attention_heads)
+        elif arch == "llama" and name.endswith((".attn_k.weight", ".attn_k.bias")):
+            transform = ("permute", config.num_key_value_heads)
+        elif arch == "gpt2" and name.endswith(_GPT2_CONV1D):
+            transform = ("transpose", 0)
+            shape = shape[::-1]
+        found[name] = TensorPlan(name, shape, "F32", _reader(tf, hf, transform), source=hf)
+    if unknown:
+        shown = ", ".join(unknown[:3]) + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        raise UnsupportedModelError(f"{folder}: tensors with no GGUF counterpart in {arch}: {shown}")
+    for required in ("token_embd.weight", "output_norm.weight"):
+        if required not in found:
+            raise WeightsError(f"{folder}: the checkpoint has no tensor for {required}")
+    if not config.tie_word_embeddings and "output.weight" not in found:
+        raise WeightsError(f"{folder}: the checkpoint has no lm_head.weight (and config.json does not tie it)")
+    extra = _rope_freqs(config, arch)
+    order = ["token_embd.weight", "position_embd.weight"] + (["rope_freqs.weight"] if extra else [])
+    plans = [found[n] for n in order if n in found] + ([extra] if extra else [])
+    plans += [p for n, p in sorted(found.items(), key=lambda kv: _layer_order(kv[0])) if n.startswith("blk.")]
+    plans += [found[n] for n in ("output_norm.weight", "output_norm.bias", "output.weight") if n in found]
+    choose = _type_chooser(mixture, arch, layers, folder)
+    for p in plans:
+        p.type_name = choose(p)
+    return plans
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (int(m[1]) if m else -1, name)
+
+
+def _reader(tf, hf: str, transform) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        from .checkpoint import all_finite
+
+        tensor = tf.read(hf)
+        if not all_finite(tensor):
+            raise WeightsError(f"{tf.path}: tensor {hf!r} contains NaN or infinite values")
+        tensor = tensor.to(torch.float32)
+        if transform and transform[0] == "permute":
+            tensor = _permute(tensor, transform[1])
+        elif transform and transform[0] == "transpose":
+            tensor = tensor.t()
+        return tensor
+    return read
+
+
+def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
+    """Llama 3.1-style RoPE as llama.cpp stores it: the per-frequency divisors, rope_freqs.weight."""
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    if arch != "llama":
+        raise UnsupportedModelError(f"llama3 RoPE scaling has no GGUF form for {arch}")
+    from .gguf import _llama3_divisors
+
+    divisors = _llama3_divisors(rope, float(rope["rope_theta"]), config.head_dim).astype(np.float32)
+    values = torch.from_numpy(divisors)
+    return TensorPlan("rope_freqs.weight", tuple(values.shape), "F32", lambda: values, source="rope_parameters")
+
+
+def _keeps_float(p: TensorPlan) -> bool:
+    """llama.cpp never quantizes 1-D tensors, norms, biases or position embeddings."""
+    return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias"))
+            or p.name in ("position_embd.weight", "rope_freqs.weight"))
+
+
+# llama.cpp's fallback for rows that are not whole 256-value blocks (IQ4_NL, its choice for
+# Q2_K/Q3_K, is not a type twice has: Q4_0 is the 4-bit 32-value type closest to it).
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _type_chooser(mixture: str, arch: str, layers: int, folder: Path) -> Callable[[TensorPlan], str]:
+    from twice.core import quant
+
+    base = MIXTURES[mixture][1]
+    try:
+        from twice.core.quant.mixes import tensor_type  # the per-tensor rules of llama.cpp's mixtures
+    except ImportError:
+        tensor_type = None
+
+    def choose(p: TensorPlan) -> str:
+        if _keeps_float(p):
+            return "F32"
+        if mixture in _FLOAT_MIXTURES:
+            return base
+        n = p.shape[-1]
+        try:
+            if tensor_type is not None:
+                kind = str(tensor_type(mixture, p.name, layers, p.shape, arch)).upper()
+            else:  # without the mixture rules: the base type, or llama.cpp's fallback where its rows do not fit
+                kind = base if n % quant.codec(base).block_size == 0 else _FALLBACK.get(base, base)
+            quant.codec(kind).row_bytes(n)
+        except ValueError as e:
+            raise UnsupportedModelError(
+                f"{folder}: tensor {p.name} (rows of {n} values) cannot be stored as {mixture}: {e}") from None
+        if not _can_quantize(kind):
+            raise UnsupportedModelError(f"quantizing to {kind} (for --type {mixture}) is not available in this "
+                                        "version of twice")
+        return kind
+
+    return choose
+
+
+def _can_quantize(type_name: str) -> bool:
+    from twice.core import quant
+
+    codec = quant.codec(type_name)
+    if not codec.quantized:
+        return True
+    try:
+        return _quantize(torch.zeros(1, codec.block_size), type_name).shape == (1, codec.type_size)
+    except NotImplementedError:
+        return False
+
+
+def _quantize(x: torch.Tensor, type_name: str) -> np.ndarray:
+    """float32 rows → the type's block bytes (uint8 rows) or its float values: twice's own
+    quantizers (core/quant), else the gguf package's (the 32-value types)."""
+    from twice.core import quant
+
+    if type_name == "F32":
+        return x.contiguous().numpy()
+    if type_name == "F16":
+        return x.to(torch.float16).numpy()
+    if type_name == "BF16":
+        return x.to(torch.bfloat16).view(torch.int16).numpy()
+    ours = getattr(quant, "quantize", None)
+    codec = quant.codec(type_name)
+    if ours is not None and codec.quantize_blocks is not None:
+        return ours(x.contiguous(), type_name).numpy()
+    import gguf
+
+    return gguf.quants.quantize(x.contiguous().numpy(), gguf.GGMLQuantizationType[type_name])
+
+
+def _encode(p: TensorPlan) -> np.ndarray:
+    """The tensor's bytes in its type, converted a chunk of rows at a time."""
+    values = p.read()
+    if tuple(values.shape) != p.shape:
+        raise WeightsError(f"tensor {p.source} has shape {list(values.shape)}, expected {list(p.shape)}")
+    rows = values.reshape(-1, p.shape[-1]) if values.dim() > 1 else values.reshape(1, -1)
+    step = max(1, _CHUNK_VALUES // max(1, rows.shape[1]))
+    if rows.shape[0] <= step:
+        return _quantize(rows, p.type_name).reshape(-1)
+    parts = [_quantize(rows[i : i + step], p.type_name).reshape(-1) for i in range(0, rows.shape[0], step)]
+    return np.concatenate(parts)
+
+
+# -- the file ------------------------------------------------------------------------------
+
+
+def _write_file(out: Path, arch: str, metadata: list, plans: list[TensorPlan], overwrite: bool,
+                progress: Progress | None) -> None:
+    import gguf
+
+    from .safe_write import atomic_file
+
+    with atomic_file(out, wait=False, what="this GGUF file", error=WeightsError) as tmp:
+        if out.exists() and not overwrite:  # it appeared while we planned
+            raise WeightsError(f"{out}: exists (pass --overwrite to replace it)")
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            for key, kind, value in metadata:
+                _add(writer, key, kind, value)
+            for p in plans:
+                codec_type = gguf.GGMLQuantizationType[p.type_name]
+                writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=codec_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for index, p in enumerate(plans, 1):
+                if progress:
+                    progress(index, len(plans), p)
+                data = _encode(p)
+                if data.nbytes != p.nbytes:  # a quantizer that returned the wrong size: never a broken file
+                    raise WeightsError(f"tensor {p.name}: {p.type_name} data is {data.nbytes} bytes, expected {p.nbytes}")
+                writer.write_tensor_data(data)
+                del data
+            writer.flush()
+            for f in writer.fout or []:
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise WeightsError(f"{out}: cannot write the GGUF file ({e.strerror or e})") from None
+        finally:
+            writer.close()
+
+
+def _add(writer, key: str, kind: str, value) -> None:
+    import gguf
+
+    if kind == "string":
+        writer.add_key_value(key, value, gguf.GGUFValueType.STRING)
+    elif kind == "uint32":
+        writer.add_uint32(key, int(value))
+    elif kind == "float32":
+        writer.add_float32(key, float(value))
+    elif kind == "bool":
+        writer.add_bool(key, bool(value))
+    elif kind in ("strings", "int32s") and not value:
+        return  # GGUF has no empty arrays (a tokenizer without merges)
+    elif kind == "strings":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    elif kind == "int32s":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    else:  # pragma: no cover - a programming error
+        raise ValueError(kind)
+
+
+__all__ = ["MIXTURES", "ALIASES", "ARCHITECTURES", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
+           "TwiceError"]
