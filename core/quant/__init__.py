@@ -54,19 +54,19 @@ class Codec(NamedTuple):
 CODECS: dict[str, Codec] = {
     c.name: c
     for c in (
-        Codec("F32", 0, 1, 4, floats.dequantize_f32),
-        Codec("F16", 1, 1, 2, floats.dequantize_f16),
-        Codec("BF16", 30, 1, 2, floats.dequantize_bf16),
-        Codec("Q4_0", 2, 32, 18, legacy.dequantize_q4_0),
-        Codec("Q4_1", 3, 32, 20, legacy.dequantize_q4_1),
-        Codec("Q5_0", 6, 32, 22, legacy.dequantize_q5_0),
-        Codec("Q5_1", 7, 32, 24, legacy.dequantize_q5_1),
-        Codec("Q8_0", 8, 32, 34, legacy.dequantize_q8_0),
-        Codec("Q2_K", 10, QK_K, 84, kquants.dequantize_q2_k),
-        Codec("Q3_K", 11, QK_K, 110, kquants.dequantize_q3_k),
-        Codec("Q4_K", 12, QK_K, 144, kquants.dequantize_q4_k),
-        Codec("Q5_K", 13, QK_K, 176, kquants.dequantize_q5_k),
-        Codec("Q6_K", 14, QK_K, 210, kquants.dequantize_q6_k),
+        Codec("F32", 0, 1, 4, floats.dequantize_f32, floats.quantize_f32),
+        Codec("F16", 1, 1, 2, floats.dequantize_f16, floats.quantize_f16),
+        Codec("BF16", 30, 1, 2, floats.dequantize_bf16, floats.quantize_bf16),
+        Codec("Q4_0", 2, 32, 18, legacy.dequantize_q4_0, legacy.quantize_q4_0),
+        Codec("Q4_1", 3, 32, 20, legacy.dequantize_q4_1, legacy.quantize_q4_1),
+        Codec("Q5_0", 6, 32, 22, legacy.dequantize_q5_0, legacy.quantize_q5_0),
+        Codec("Q5_1", 7, 32, 24, legacy.dequantize_q5_1, legacy.quantize_q5_1),
+        Codec("Q8_0", 8, 32, 34, legacy.dequantize_q8_0, legacy.quantize_q8_0),
+        Codec("Q2_K", 10, QK_K, 84, kquants.dequantize_q2_k, kquants.quantize_q2_k),
+        Codec("Q3_K", 11, QK_K, 110, kquants.dequantize_q3_k, kquants.quantize_q3_k),
+        Codec("Q4_K", 12, QK_K, 144, kquants.dequantize_q4_k, kquants.quantize_q4_k),
+        Codec("Q5_K", 13, QK_K, 176, kquants.dequantize_q5_k, kquants.quantize_q5_k),
+        Codec("Q6_K", 14, QK_K, 210, kquants.dequantize_q6_k, kquants.quantize_q6_k),
     )
 }
 
@@ -104,3 +104,56 @@ def dequantize(data: torch.Tensor, type_name: str) -> torch.Tensor:
     blocks = data.reshape(-1, c.type_size)
     out = c.dequantize_blocks(blocks)
     return out.reshape(*lead, n_blocks * c.block_size)
+
+
+def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Quantize float values to raw block bytes: the inverse direction of `dequantize`.
+
+    ``x`` is a float tensor whose last dimension is one row of whole blocks (rows may be stacked
+    in leading dimensions); it is converted to float32 first. The result is uint8 with the same
+    leading shape and ``codec.row_bytes(n)`` bytes in its last dimension. The bytes are those of
+    llama.cpp's reference quantizers (``quantize_row_*_ref``, no importance matrix): for
+    F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 equal to ``gguf.quants.quantize``, for the K types to the C
+    reference built without fused multiply-adds (see kquants).
+
+    ValueError (one line) for a row that is not whole blocks, a NaN or infinite value, or values
+    too large for the type (an fp16 scale, or an F16 value, that would be infinite).
+    """
+    c = codec(type_name)
+    if not isinstance(x, torch.Tensor) or not (x.is_floating_point()):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"values to quantize to {c.name} must be a float tensor, got {got}")
+    if x.dim() == 0:
+        raise ValueError(f"values to quantize to {c.name} must have at least one dimension")
+    n = x.shape[-1]
+    row_bytes = c.row_bytes(n)
+    lead = tuple(x.shape[:-1])
+    x = x.detach().to(device="cpu", dtype=torch.float32)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"cannot quantize to {c.name}: the values include NaN or infinity")
+    blocks = x.reshape(-1, c.block_size)
+    out = c.quantize_blocks(blocks) if blocks.shape[0] else torch.empty((0, c.type_size), dtype=torch.uint8)
+    if blocks.shape[0] and c.name != "F32":
+        _check_finite_scales(out, c.name)
+    return out.reshape(*lead, row_bytes)
+
+
+# byte offsets of each block's fp16 fields (the F16 "block" is its one value)
+_FP16_FIELDS = {
+    "F16": (0,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def _check_finite_scales(out: torch.Tensor, name: str) -> None:
+    """An fp16 field that rounded to infinity (values past what the type's scale holds) would
+    dequantize to inf/NaN: refuse it rather than write it."""
+    if name == "BF16":  # float32's range: only values within half a bf16 step of FLT_MAX round to inf
+        if bool(((out.contiguous().view(torch.int16) & 0x7F80) == 0x7F80).any()):
+            raise ValueError("cannot quantize to BF16: the values are too large (past bfloat16's 3.39e38)")
+        return
+    for off in _FP16_FIELDS[name]:
+        h = out[:, off:off + 2].contiguous().view(torch.int16)
+        if bool(((h & 0x7C00) == 0x7C00).any()):
+            what = "values" if name == "F16" else "block scales"
+            raise ValueError(f"cannot quantize to {name}: the values are too large ({what} past fp16's 65504)")

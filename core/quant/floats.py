@@ -20,3 +20,24 @@ def dequantize_f16(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_bf16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.bfloat16).to(torch.float32).reshape(b.shape[0], 1)
+
+
+# The reverse direction, (n, 1) float32 -> (n, type_size) bytes, as gguf.quants.quantize writes them.
+
+def quantize_f32(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().reshape(-1, 1).view(torch.uint8)
+
+
+def quantize_f16(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even (values past fp16's range become inf, as numpy's cast makes them)."""
+    return x.contiguous().reshape(-1, 1).to(torch.float16).view(torch.uint8)
+
+
+def quantize_bf16(x: torch.Tensor) -> torch.Tensor:
+    """ggml_compute_fp32_to_bf16: round to nearest even on the bits; a NaN keeps its sign and top
+    bits and is made quiet (torch's own cast makes every NaN 0x7FC0)."""
+    n = x.contiguous().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    nan = (n & 0x7FFFFFFF) > 0x7F800000
+    n = torch.where(nan, (n & 0xFFFF0000) | (64 << 16), n)
+    n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
+    return n.to(torch.int32).to(torch.int16).view(torch.uint8).reshape(-1, 2)

@@ -2,6 +2,13 @@
 
 Reference dequantizers from block bytes to float32, in the order of operations of the
 `gguf` package's numpy code (bit-exact). Layouts: see the package docstring.
+
+Quantizers from float32 blocks to block bytes, bit for bit those of ``gguf.quants.quantize``
+(the numpy port of llama.cpp's ``quantize_row_*_ref``): the scale from the block's absolute
+maximum (Q8_0, Q4_0, Q5_0: d = max / -8 or -16 with the sign of the value of largest magnitude,
+so that value lands on the end of the range) or from its range (Q4_1, Q5_1: d = (max - min) / 15
+or 31, m = min); each value truncated after adding the half step, clipped to the range. The float32
+d (not its fp16 rounding) divides the values, as in the reference.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._bits import bits32, f16, nibbles
+from ._pack import div, f16_bytes, pack_bits_le
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     d = f16(b[:, :2])
@@ -44,3 +52,60 @@ def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
     ql = nibbles(b[:, 8:], 16)
     q = (ql | (qh << 4)).to(torch.float32)
     return (d * q) + m
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1/d, and 0 where d is 0 (an all-zero block)."""
+    return torch.where(d == 0, torch.zeros_like(d), div(1.0, d))
+
+
+def _signed_absmax(b: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude in each block (the first of equal ones), shape (n, 1)."""
+    return b.gather(1, b.abs().argmax(dim=1, keepdim=True))
+
+
+def _low_high(q: torch.Tensor) -> torch.Tensor:
+    """32 values 0..15 (or their low nibbles) -> 16 bytes: value j low, value j + 16 high."""
+    return (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+
+
+def _trunc_u8(v: torch.Tensor, top: int) -> torch.Tensor:
+    return v.trunc().to(torch.uint8).clamp_(0, top)
+
+
+def quantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = b.abs().amax(dim=1, keepdim=True) / 127
+    v = b * _inverse(d)
+    # round half away from zero, in gguf's (and C roundf's) exact steps
+    a = v.abs()
+    fl = a.floor()
+    q = v.sign() * (fl + (2 * (a - fl)).floor())
+    return torch.cat([f16_bytes(d), q.to(torch.int8).view(torch.uint8)], dim=1)
+
+
+def quantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _signed_absmax(b) / -8
+    q = _trunc_u8(b * _inverse(d) + 8.5, 15)
+    return torch.cat([f16_bytes(d), _low_high(q)], dim=1)
+
+
+def quantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    mx = b.amax(dim=1, keepdim=True)
+    mn = b.amin(dim=1, keepdim=True)
+    d = (mx - mn) / 15
+    q = _trunc_u8((b - mn) * _inverse(d) + 0.5, 15)
+    return torch.cat([f16_bytes(d), f16_bytes(mn), _low_high(q)], dim=1)
+
+
+def quantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _signed_absmax(b) / -16
+    q = _trunc_u8(b * _inverse(d) + 16.5, 31)
+    return torch.cat([f16_bytes(d), pack_bits_le(q >> 4), _low_high(q)], dim=1)
+
+
+def quantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    mx = b.amax(dim=1, keepdim=True)
+    mn = b.amin(dim=1, keepdim=True)
+    d = (mx - mn) / 31
+    q = _trunc_u8((b - mn) * _inverse(d) + 0.5, 31)
+    return torch.cat([f16_bytes(d), f16_bytes(mn), pack_bits_le(q >> 4), _low_high(q)], dim=1)
