@@ -9,8 +9,12 @@ copies larger than the caches, for 1, 4 and 16 rows:
 
     python scripts/kernel_bench.py                    # SmolLM2-135M shapes, 2 threads
     python scripts/kernel_bench.py --shape llama-3.2-1b --threads 8
+    python scripts/kernel_bench.py --quant Q4_1,Q4_K,Q6_K,Q8_0,Q5_0   # quantized weights (qdot.c)
 
 It reports GMAC/s, the share of the peak, and for one row the GB/s the weights stream at.
+With --quant, the GGUF block kernels (q_gemm, activations prepared once per call) run on
+--quant-shapes (out×in; default 576×1536 and 896×4864, SmolLM2's and Qwen2.5-0.5B's widths)
+instead: GB/s of weight bytes as stored, and each batch's rows/s against batch 1's.
 Needs a C compiler (as the kernels do); never run in CI.
 """
 
@@ -54,16 +58,68 @@ def time_gemm(lib, dtype: torch.dtype, out: int, n: int, rows: int, threads: int
     return best
 
 
+def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, repeats: int = 5) -> tuple[float, float]:
+    """Best seconds per q_gemm call and per q_prepare call, weights (random block bytes:
+    the speed does not depend on their values) cycling through copies of ≥ 256 MiB."""
+    row_bytes = lib.q_row_bytes(ggml_type, n)
+    copies = max(1, (256 << 20) // (out * row_bytes))
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    x = torch.randn(rows, n)
+    xq = torch.empty(rows * lib.q_act_bytes(ggml_type, n), dtype=torch.uint8)
+    y = torch.empty(rows, out)
+    prepare = lambda: lib.q_prepare(ggml_type, x.data_ptr(), n, rows, xq.data_ptr())  # noqa: E731
+    call = lambda w: lib.q_gemm(ggml_type, w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out,  # noqa: E731
+                                threads)
+    prepare()
+    for w in ws[:3]:
+        call(w)
+    best = best_prepare = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in ws:
+            call(w)
+        best = min(best, (time.perf_counter() - t) / len(ws))
+        t = time.perf_counter()
+        for _ in range(20):
+            prepare()
+        best_prepare = min(best_prepare, (time.perf_counter() - t) / 20)
+    return best, best_prepare
+
+
+def quant_main(args, lib) -> None:
+    from twice.core import quant
+
+    shapes = [tuple(map(int, s.lower().split("x"))) for s in args.quant_shapes.split(",")]
+    print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)")
+    print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'prepare':>9} {'GB/s':>6} {'vs rows=1':>9}")
+    for name in args.quant.split(","):
+        c = quant.codec(name)
+        for out, n in shapes:
+            base = None
+            for rows in map(int, args.rows.split(",")):
+                s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads)
+                base = base or s
+                gbs = out * lib.q_row_bytes(c.ggml_type, n) / s / 1e9
+                print(f"{c.name:6} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {p * 1e6:>7.1f}us {gbs:>6.1f} "
+                      f"{rows * base / s:>8.1f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,4,16")
+    p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
+    p.add_argument("--quant-shapes", default="576x1536,896x4864")
     args = p.parse_args()
     lib = kernels.library()
     if lib is None:
         sys.exit("the native kernels did not build here (no C compiler?)")
     torch.set_num_threads(args.threads)
+    if args.quant:
+        quant_main(args, lib)
+        return
     peak = {key: kernels.peak_macs(dtype, args.threads) or 0
             for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(f"multiply-add peak, {args.threads} threads: fp32 {peak['fp32'] / 1e9:.1f} GMAC/s, "
