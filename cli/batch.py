@@ -386,6 +386,8 @@ def batch(
     revision: o.Revision = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
+    quantize: o.Quantize = None,
     max_new_tokens: o.MaxNew = 256,
     temperature: o.Temperature = None,
     top_k: o.TopK = None,
@@ -409,6 +411,7 @@ def batch(
     from .prompt_input import check_text_arguments
 
     check_text_arguments(system=system, stop=stop)
+    weights = o.weights_choice(dequantize, quantize)
     o.apply_threads(threads)
     if batch_size is not None and batch_size < 1:
         raise PromptError(f"--batch-size must be at least 1, got {batch_size}")
@@ -423,7 +426,7 @@ def batch(
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
                                         input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                         stop, prefill_chunk), stats=stats, locks=locks)
+                                         stop, prefill_chunk), stats=stats, locks=locks, weights=weights)
         except _RefusedEverywhere:
             raise  # every rank knows already, and none has started
         except TwiceError as e:
@@ -505,7 +508,7 @@ def _done_in(parts: list[Path]) -> set[str]:
 
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
                         model, revision, device, dtype, chat, system, timing, compile, settings,
-                        locks=None, stats=False):
+                        locks=None, stats=False, weights=None):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -550,7 +553,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
                 batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats)
     if shard.active and launch.rank != 0:
         plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
-    loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard)
+    loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard, weights)
     plan.use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
     base = _base_settings(loaded, *settings)
     _run(loaded, plan, base)
@@ -659,12 +662,13 @@ def _auto_size(engine, jobs: list[Job], device) -> tuple[int, str]:
                   f"{MEMORY_SHARE:.0%} of {human_bytes(available)} available")
 
 
-def _load(load, model, revision, device, dtype, shard):
+def _load(load, model, revision, device, dtype, shard, weights=None):
     err = err_console()
     if not _isatty(sys.stderr):
-        return load(model, revision, device, dtype, shard=shard)
+        return load(model, revision, device, dtype, shard=shard, weights=weights)
     with err.status("loading the model") as status:
-        return load(model, revision, device, dtype, progress=lambda msg: status.update(f"loading: {msg}"), shard=shard)
+        return load(model, revision, device, dtype, progress=lambda msg: status.update(f"loading: {msg}"), shard=shard,
+                    weights=weights)
 
 
 def _report_lines(name: str, errors: list[LineError], records: list[Record]) -> None:

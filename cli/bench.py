@@ -26,6 +26,8 @@ def bench(
                                                       "llama-3.2-1b.")] = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
+    quantize: o.Quantize = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for every engine (at least 1; default: torch's).")] = None,
     workload: WorkloadOpt = None,
     engine: Annotated[Optional[list[str]], typer.Option(
@@ -47,6 +49,7 @@ def bench(
     from .bench_render import CAPTION, bandwidth_line, peak_line, results_tables, suite_json
 
     err = err_console()
+    weights = o.weights_choice(dequantize, quantize)
     o.apply_threads(threads)
     names = workload or ["decode", "prefill", "batch1", "batch4"]
     unknown = [n for n in names if n not in b.WORKLOADS]
@@ -69,7 +72,7 @@ def bench(
     else:
         from twice.weights.load import load
 
-        loaded = load(model, None, device, dtype, progress=say)
+        loaded = load(model, None, device, dtype, progress=say, weights=weights)
         net, tokenizer, name, why = loaded.model, loaded.tokenizer, loaded.name, loaded.dtype_reason
     setup = b.describe_setup(net) | {"model": name, "dtype_reason": why}
     say(f"measuring memory bandwidth on {setup['device']}")

@@ -64,6 +64,8 @@ def chat(
     revision: o.Revision = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
+    quantize: o.Quantize = None,
     max_new_tokens: o.MaxNew = 512,
     temperature: o.Temperature = None,
     top_k: o.TopK = None,
@@ -91,9 +93,11 @@ def chat(
     from .prompt_input import check_text_arguments
 
     check_text_arguments(system=system, stop=stop)
+    weights = o.weights_choice(dequantize, quantize)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
-        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
+        loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
+                      weights=weights)
     tokenizer = loaded.tokenizer
     if tokenizer.chat_template is None:
         raise TokenizerError(f"{loaded.name}: the model has no chat template, so it cannot chat "

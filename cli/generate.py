@@ -28,6 +28,8 @@ def generate(
     revision: o.Revision = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
+    quantize: o.Quantize = None,
     max_new_tokens: o.MaxNew = 256,
     temperature: o.Temperature = None,
     top_k: o.TopK = None,
@@ -58,6 +60,7 @@ def generate(
 
         COLOR["on"] = False
     check_text_arguments(system=system, stop=stop)
+    weights = o.weights_choice(dequantize, quantize)
     text = read_prompt(prompt)
     o.apply_threads(threads)
 
@@ -70,14 +73,15 @@ def generate(
                               "the processes); to spread many prompts over processes, use twice batch")
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
-                  truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats)
+                  truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats,
+                  weights=weights)
     finally:
         finish(launch)
 
 
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
-              no_color, shard, quiet: bool, stats: bool = False) -> None:
+              no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None) -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.device import DTYPE_NAMES
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
@@ -89,7 +93,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
     with Readout(show_text=not as_json and not quiet, no_color=no_color, live=False if quiet else None) as readout:
         readout.set_phase("loading", loading)
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
-                      shard=shard)
+                      shard=shard, weights=weights)
         readout.set_model(o.dtype_words(loaded), f"{loaded.device.type} {DTYPE_NAMES.get(loaded.dtype, loaded.dtype)}")
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)

@@ -12,6 +12,11 @@ Device = Annotated[str, typer.Option(help="auto (cuda if available), cpu or cuda
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda; on the cpu bfloat16 where the CPU has AVX-512 BF16 or AMX, "
                                           "else float32; TWICE_CPU_AUTO_DTYPE=float32|bfloat16 pins it), float32, "
                                           "bfloat16 or float16.")]
+Dequantize = Annotated[bool, typer.Option("--dequantize", help="Run a .gguf file from a float copy (converted once "
+                                                              "into the cache, in --dtype) instead of as stored.")]
+Quantize = Annotated[Optional[str], typer.Option(
+    "--quantize", help="Quantize the weights in memory while loading: q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, "
+                       "q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k (llama.cpp's mixtures; twice quantize writes a file).")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")]
 Temperature = Annotated[Optional[float], typer.Option(
     help="0 = greedy. Default: the model's generation_config (greedy if it says do_sample false), else 0.8 "
@@ -149,3 +154,20 @@ def ignored_with_greedy(sampling, top_k=None, top_p=None, min_p=None, seed=None)
     if not given:
         return None
     return f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with greedy decoding (temperature 0)"
+
+
+def weights_choice(dequantize: bool, quantize: str | None) -> str | None:
+    """How to hold the weights, from --dequantize / --quantize: None (as stored),
+    "dequantize", or a mixture name; a bad combination or name fails before loading."""
+    from twice.core.errors import UsageError
+
+    if quantize is None:
+        return "dequantize" if dequantize else None
+    if dequantize:
+        raise UsageError("--dequantize and --quantize exclude each other (--quantize starts from the float weights)")
+    from twice.core.quant.mixes import MIXTURES
+
+    name = quantize.lower()
+    if name not in MIXTURES:
+        raise UsageError(f"--quantize {quantize!r} is not a known type; use one of {', '.join(MIXTURES)}")
+    return name

@@ -21,6 +21,7 @@ from . import kernels
 from .cache import KVCache
 from .llama import LlamaModel
 from .model import CausalLM
+from .qweight import BlockWeight
 
 
 class _Dims(ctypes.Structure):
@@ -29,23 +30,50 @@ class _Dims(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int64)]
 
 
-_LAYER_TENSORS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
-                  "gate_up_bias", "down", "down_bias")
+_VECTORS = ("in_norm", "qkv_bias", "q_norm", "k_norm", "o_bias", "post_norm", "gate_up_bias", "down_bias")
+_MATRICES = ("qkv", "o", "gate_up", "down")
+MAX_PARTS = 3
+FLOAT_TYPE = -1  # a float matrix in the model's dtype (decode.c multiplies it with gemm)
+# The block types decode.c multiplies (through qdot.c's q_gemm), by ggml type id.
+BLOCK_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("part", _Part * MAX_PARTS), ("parts", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_TENSORS] + [("window", ctypes.c_int64)]
+    _fields_ = ([(name, ctypes.c_void_p) for name in _VECTORS] + [(name, _Weight) for name in _MATRICES]
+                + [("window", ctypes.c_int64)])
+
+
+def _weight_ok(w, dtype: torch.dtype) -> bool:
+    if isinstance(w, BlockWeight):
+        return len(w.parts) <= MAX_PARTS and all(p.codec.ggml_type in BLOCK_TYPES and p.data.is_contiguous()
+                                                 for p in w.parts)
+    return w.dtype == dtype and w.is_contiguous()
 
 
 def supported(model: CausalLM) -> bool:
     """Llama-family models on the CPU in float32 or bfloat16, on one rank, where the native
-    kernels build. Anything else decodes through PyTorch."""
+    kernels build, with every matrix either a float tensor in the model's dtype or blocks
+    of a type decode.c multiplies. Anything else decodes through PyTorch."""
     if not isinstance(model, LlamaModel) or model.shard.active:
         return False
-    weight = model.lm_head_weight
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and model.config.hidden_act in ("silu", "swish") and model.config.head_dim <= 1024
-            and all(p.is_contiguous() and p.dtype == weight.dtype for p in model.parameters())
+    dtype = model.norm.weight.dtype
+    if model.norm.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    matrices = [model.lm_head_weight, model.embed_tokens.weight]
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        matrices += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+    return (model.config.hidden_act in ("silu", "swish") and model.config.head_dim <= 1024
+            and all(p.is_contiguous() and p.dtype == dtype for p in model.parameters())
+            and all(_weight_ok(w, dtype) for w in matrices)
             and kernels.available())
 
 
@@ -57,6 +85,19 @@ def _pointer(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
+def _describe(w) -> _Weight:
+    """A matrix as decode.c's Weight: its stored parts (one float part for a float matrix)."""
+    out = _Weight()
+    if isinstance(w, BlockWeight):
+        for i, p in enumerate(w.parts):
+            out.part[i] = _Part(_pointer(p.data), p.codec.ggml_type, p.rows)
+        out.parts = len(w.parts)
+    else:
+        out.part[0] = _Part(_pointer(w), FLOAT_TYPE, w.shape[0])
+        out.parts = 1
+    return out
+
+
 class NativeDecoder:
     """Decode steps for batch-1 caches of a llama-family `model` (see `supported`)."""
 
@@ -66,7 +107,7 @@ class NativeDecoder:
         c = model.config
         self.model = model
         self.lib = kernels.library()
-        self.dtype = model.lm_head_weight.dtype
+        self.dtype = model.norm.weight.dtype
         layers = model.layers
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.dims = _Dims(hidden=c.hidden_size, heads=attn0.heads, kv_heads=attn0.kv_heads, head_dim=c.head_dim,
@@ -75,21 +116,23 @@ class NativeDecoder:
         self.layers = (_Layer * len(layers))()
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
-            tensors = {
-                "in_norm": block.input_layernorm.weight, "qkv": a.qkv_proj.weight, "qkv_bias": a.qkv_proj.bias,
+            vectors = {
+                "in_norm": block.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias,
                 "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                 "k_norm": a.k_norm.weight if a.k_norm is not None else None,
-                "o": a.o_proj.weight, "o_bias": a.o_proj.bias, "post_norm": block.post_attention_layernorm.weight,
-                "gate_up": m.gate_up_proj.weight, "gate_up_bias": m.gate_up_proj.bias,
-                "down": m.down_proj.weight, "down_bias": m.down_proj.bias,
+                "o_bias": a.o_proj.bias, "post_norm": block.post_attention_layernorm.weight,
+                "gate_up_bias": m.gate_up_proj.bias, "down_bias": m.down_proj.bias,
             }
-            for name in _LAYER_TENSORS:
-                setattr(self.layers[i], name, _pointer(tensors[name]))
+            for name in _VECTORS:
+                setattr(self.layers[i], name, _pointer(vectors[name]))
+            matrices = {"qkv": a.qkv_proj.weight, "o": a.o_proj.weight, "gate_up": m.gate_up_proj.weight,
+                        "down": m.down_proj.weight}
+            for name in _MATRICES:
+                setattr(self.layers[i], name, _describe(matrices[name]))
             self.layers[i].window = a.window or 0
         self.final_norm = _pointer(model.norm.weight)
-        self.head = _pointer(model.lm_head_weight)
-        self.embed = model.embed_tokens.weight
-        _pointer(self.embed)
+        self.head = _describe(model.lm_head_weight)
+        self.embed = _describe(model.embed_tokens.weight)
 
     def supports(self, cache: KVCache) -> bool:
         return cache.k.dtype == self.dtype and cache.k.is_contiguous() and cache.v.is_contiguous()
@@ -114,7 +157,7 @@ class NativeDecoder:
         rope.ensure(column + 1)  # positions are column - start ≤ column
         logits = torch.empty(rows, self.dims.vocab, dtype=torch.float32)
         status = self.lib.decode_step(
-            ctypes.byref(self.dims), self.layers, self.final_norm, self.head, self.embed.data_ptr(),
+            ctypes.byref(self.dims), self.layers, self.final_norm, ctypes.byref(self.head), ctypes.byref(self.embed),
             ids.data_ptr(), rows, rope.cos.data_ptr(), rope.sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
             cache.capacity, column, starts.data_ptr() if starts is not None else None, logits.data_ptr(),
             torch.get_num_threads(),

@@ -26,16 +26,29 @@
 #include "vec.h"
 
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
+int64_t q_act_bytes(int type, int64_t n);
+void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq);
+void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
+            int threads);
+void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads);
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     float eps, scale;
-    int64_t bf16; /* 1: weights, cache, cos/sin in bfloat16; 0: float32 */
+    int64_t bf16; /* 1: norms, biases, float weights, cache, cos/sin in bfloat16; 0: float32 */
 } Dims;
 
+/* A matrix as its stored parts, top to bottom (native_decode.py, qweight.BlockWeight): each
+ * `rows` output rows of ggml type `type`. A float weight in the model dtype is one part of
+ * type FLOAT_TYPE (multiplied by gemm, as before); blocks go through q_gemm (qdot.c). */
+#define MAX_PARTS 3
+#define FLOAT_TYPE -1
+typedef struct { const void *data; int64_t type, rows; } Part;
+typedef struct { Part part[MAX_PARTS]; int64_t parts; } Weight;
+
 typedef struct { /* NULL where the model has no such tensor */
-    const void *in_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias;
-    const void *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *in_norm, *qkv_bias, *q_norm, *k_norm, *o_bias, *post_norm, *gate_up_bias, *down_bias;
+    Weight qkv, o, gate_up, down;
     int64_t window; /* sliding window in tokens; 0 = none */
 } Layer;
 
@@ -93,12 +106,35 @@ static void narrow(const float *x, uint16_t *out, int64_t n) {
 
 /* y = rnd(W x + b) for `rows` vectors x [rows, n] → y [rows, out]. x is already
  * representable in the model dtype; `xw` is scratch for it in that dtype (the bf16 kernel
- * multiplies bf16 by bf16). */
-static void linear(const Dims *d, const void *w, const void *b, const float *x, int64_t n, int64_t out,
-                   int64_t rows, float *y, uint16_t *xw, int threads) {
-    if (d->bf16) narrow(x, xw, rows * n);
-    gemm(w, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
+ * multiplies bf16 by bf16), `xq` for it prepared for a block type (int8 blocks, qdot.h). */
+static void linear(const Dims *d, const Weight *w, const void *b, const float *x, int64_t n, int64_t out,
+                   int64_t rows, float *y, uint16_t *xw, void *xq, int threads) {
+    int64_t row = 0;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const Part *part = &w->part[p];
+        if (part->type == FLOAT_TYPE) { /* the whole matrix (a float model's weights are one part) */
+            if (d->bf16) narrow(x, xw, rows * n);
+            gemm(part->data, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
+        } else {
+            q_prepare((int)part->type, x, n, rows, xq);
+            q_gemm((int)part->type, part->data, part->rows, n, xq, rows, y + row, out, threads);
+        }
+        row += part->rows;
+    }
     for (int64_t r = 0; r < rows; r++) add_round(d, y + r * out, NULL, b, out);
+}
+
+int64_t q_row_bytes(int type, int64_t n);
+static int64_t embed_row_bytes(const Part *e, int64_t n) { return q_row_bytes((int)e->type, n); }
+
+static int64_t act_bytes(const Weight *w, int64_t n) { /* prepared-activation bytes of one row */
+    int64_t most = 0;
+    for (int64_t p = 0; p < w->parts; p++)
+        if (w->part[p].type != FLOAT_TYPE) {
+            const int64_t b = q_act_bytes((int)w->part[p].type, n);
+            if (b > most) most = b;
+        }
+    return most;
 }
 
 /* q · one cached key, and out += p · one cached value: the dtype branch sits outside the
@@ -390,8 +426,8 @@ static void span(const Dims *d, const int64_t *starts, int64_t window, int64_t c
  * capacity, head_dim] in the model dtype. logits: [rows, vocab] float32.
  * Returns 0; -1 when a scratch allocation failed, -2 for a token id outside the
  * vocabulary (nothing was written then). */
-int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const void *head,
-                const void *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
+int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const Weight *head,
+                const Weight *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
                 void *k_cache, void *v_cache, int64_t capacity, int64_t column, const int64_t *starts,
                 float *logits, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
@@ -407,12 +443,26 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     float *att = malloc(sizeof(float) * rows * (q_size > d->inter ? q_size : d->inter));
     uint16_t *xw = malloc(sizeof(uint16_t) * rows * wide_in);
     float *scores = malloc(sizeof(float) * rows * d->heads * capacity);
-    if (!x || !xn || !t || !big || !att || !xw || !scores) {
-        free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores);
+    int64_t most = act_bytes(head, H);
+    for (int64_t l = 0; l < d->layers; l++) {
+        const int64_t b[4] = {act_bytes(&layers[l].qkv, H), act_bytes(&layers[l].o, q_size),
+                              act_bytes(&layers[l].gate_up, H), act_bytes(&layers[l].down, d->inter)};
+        for (int i = 0; i < 4; i++) if (b[i] > most) most = b[i];
+    }
+    void *xq = malloc(rows * most + 64);
+    if (!x || !xn || !t || !big || !att || !xw || !scores || !xq) {
+        free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
         return -1;
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < H; i++) x[r * H + i] = load(d, embed, tokens[r] * H + i);
+    for (int64_t r = 0; r < rows; r++) {
+        const Part *e = &embed->part[0]; /* the embedding is one part */
+        if (e->type == FLOAT_TYPE)
+            for (int64_t i = 0; i < H; i++) x[r * H + i] = load(d, e->data, tokens[r] * H + i);
+        else { /* one stored row, dequantized; rounded to the model dtype as the eager lookup is */
+            q_dequantize((int)e->type, (const char *)e->data + tokens[r] * (embed_row_bytes(e, H)), 1, H, x + r * H, 1);
+            add_round(d, x + r * H, NULL, NULL, H);
+        }
+    }
     const int64_t row_elems = d->kv_heads * capacity * D; /* one row of one layer's cache */
     const int64_t group = d->heads / d->kv_heads;
 
@@ -422,7 +472,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
 
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->in_norm, H, xn + r * H);
-        linear(d, L->qkv, L->qkv_bias, xn, H, qkv, rows, big, xw, threads);
+        linear(d, &L->qkv, L->qkv_bias, xn, H, qkv, rows, big, xw, xq, threads);
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             float nt[1024];
@@ -467,12 +517,12 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             attend_group(d, big + r * qkv + g * group * D, group, kc, vc, base, n, ahead_k, ahead_v, next_n,
                          scores + u * group * capacity, capacity, att + r * q_size + g * group * D);
         }
-        linear(d, L->o, L->o_bias, att, q_size, H, rows, t, xw, threads);
+        linear(d, &L->o, L->o_bias, att, q_size, H, rows, t, xw, xq, threads);
         add_round(d, x, t, NULL, rows * H);
 
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->post_norm, H, xn + r * H);
-        linear(d, L->gate_up, L->gate_up_bias, xn, H, 2 * d->inter, rows, big, xw, threads);
+        linear(d, &L->gate_up, L->gate_up_bias, xn, H, 2 * d->inter, rows, big, xw, xq, threads);
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *gu = big + r * 2 * d->inter;
@@ -491,11 +541,11 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                 h[i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[d->inter + i]);
             }
         }
-        linear(d, L->down, L->down_bias, att, d->inter, H, rows, t, xw, threads);
+        linear(d, &L->down, L->down_bias, att, d->inter, H, rows, t, xw, xq, threads);
         add_round(d, x, t, NULL, rows * H);
     }
     for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
-    linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, threads);
-    free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores);
+    linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, xq, threads);
+    free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
     return 0;
 }
