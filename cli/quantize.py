@@ -93,7 +93,7 @@ def _model_name(ref: str, folder: Path) -> str:
 def _print_summary(summary, no_color: bool) -> None:
     from rich.table import Table
 
-    t = Table(title=f"{summary.path} ({summary.mixture}, {summary.architecture})", title_justify="left")
+    t = Table()
     t.add_column("type")
     t.add_column("tensors", justify="right")
     t.add_column("bytes", justify="right")
@@ -101,6 +101,8 @@ def _print_summary(summary, no_color: bool) -> None:
         t.add_row(kind, str(count), human_bytes(summary.type_bytes[kind]))
     t.add_row("all", str(summary.tensors), human_bytes(summary.tensor_bytes), style="bold")
     console = wide_console(stderr=False, min_width=80, no_color=no_color)
+    console.print(f"wrote {summary.path} ({summary.mixture}, {summary.architecture} from {summary.model})",
+                  markup=False, soft_wrap=True)
     console.print(t)
     console.print(f"{summary.parameters:,} weights in {human_bytes(summary.tensor_bytes)}: "
                   f"{summary.bits_per_weight:.2f} bits per weight; file {human_bytes(summary.file_bytes)} "
