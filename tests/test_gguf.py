@@ -456,9 +456,9 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_tokenizer_model(tmp_path):
     model = hf_model()
-    metadata = base_metadata(model) | {"tokenizer.ggml.model": "llama"}
-    src = write_gguf(tmp_path / "spm.gguf", metadata, gguf_tensors(model, quantized=()))
-    assert_refused(src, tmp_path / "out", UnsupportedModelError, "tokenizer model 'llama'", "gpt2")
+    metadata = base_metadata(model) | {"tokenizer.ggml.model": "bert"}  # llama.cpp's WordPiece
+    src = write_gguf(tmp_path / "wpm.gguf", metadata, gguf_tensors(model, quantized=()))
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "tokenizer model 'bert'", "gpt2", "llama")
 
 
 def test_unknown_pre_tokenizer(tmp_path):
