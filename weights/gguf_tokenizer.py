@@ -125,7 +125,7 @@ def build_tokenizer(metadata: dict, config: dict, src: Path):
         merges = _merge_pairs(string_list(metadata, "tokenizer.ggml.merges", src), src)
         tokenizer = _bpe_tokenizer(tokens, merges, spec, src)
         default_bos, byte_level = spec.add_bos, True
-    _add_whole_tokens(tokenizer, tokens, types, special_ids={i for i in ids.values() if i is not None})
+    _add_whole_tokens(tokenizer, tokens, types, special_ids={i for i in ids.values() if isinstance(i, int)})
 
     add_bos = flag(metadata, "tokenizer.ggml.add_bos_token", default_bos, src)
     add_eos = flag(metadata, "tokenizer.ggml.add_eos_token", False, src)
@@ -156,7 +156,7 @@ def build_tokenizer(metadata: dict, config: dict, src: Path):
 
 def _tokenizer_model(metadata: dict, src: Path) -> str:
     model = require(metadata, "tokenizer.ggml.model", src)
-    if model not in SUPPORTED_TOKENIZER_MODELS:
+    if not isinstance(model, str) or model not in SUPPORTED_TOKENIZER_MODELS:
         supported = ", ".join(f"{name} ({kind})" for name, kind in SUPPORTED_TOKENIZER_MODELS.items())
         raise UnsupportedModelError(f"{src}: tokenizer model {show(model)} is not supported; supported: {supported}")
     return model
