@@ -38,15 +38,12 @@ import torch
 from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TokenizerError, TwiceError, UnsupportedModelError, WeightsError
 
-# --type names → (general.file_type, the mixture's base type). Aliases as llama-quantize takes them.
-MIXTURES: dict[str, tuple[int, str]] = {
-    "f32": (0, "F32"), "f16": (1, "F16"), "bf16": (32, "BF16"),
-    "q8_0": (7, "Q8_0"), "q4_0": (2, "Q4_0"), "q4_1": (3, "Q4_1"), "q5_0": (8, "Q5_0"), "q5_1": (9, "Q5_1"),
-    "q2_k": (10, "Q2_K"), "q3_k_m": (12, "Q3_K"), "q4_k_s": (14, "Q4_K"), "q4_k_m": (15, "Q4_K"),
-    "q5_k_s": (16, "Q5_K"), "q5_k_m": (17, "Q5_K"), "q6_k": (18, "Q6_K"),
+# general.file_type (llama_ftype) of each mixture; the mixtures and their per-tensor rules are
+# core/quant/mixes.py's.
+FILE_TYPES: dict[str, int] = {
+    "f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
+    "q2_k": 10, "q3_k_m": 12, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18,
 }
-ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
-_FLOAT_MIXTURES = ("f32", "f16", "bf16")
 
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
@@ -64,11 +61,12 @@ _CHUNK_VALUES = 1 << 22  # rows are converted and quantized this many float32 va
 def canonical_mixture(name: str) -> str:
     """The mixture a --type name stands for ("q4_k" → "q4_k_m"); UsageError for others."""
     from twice.core.errors import UsageError
+    from twice.core.quant.mixes import ALIASES, MIXTURES
 
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
-    if key not in MIXTURES:
-        raise UsageError(f"--type {name!r} is not a quantization type; choose one of {', '.join(MIXTURES)} "
+    if key not in MIXTURES or key not in FILE_TYPES:
+        raise UsageError(f"--type {name!r} is not a quantization type; choose one of {', '.join(FILE_TYPES)} "
                          f"(or {', '.join(ALIASES)})")
     return key
 
@@ -196,7 +194,7 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     """(key, GGUF value type, value) for general.* and ARCH.*, as convert_hf_to_gguf writes them."""
     import gguf
 
-    file_type = MIXTURES[mixture][0]
+    file_type = FILE_TYPES[mixture]
     kv: list[tuple[str, str, Any]] = [
         ("general.type", "string", "model"),
         ("general.name", "string", name),
@@ -448,7 +446,7 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
     plans = [found[n] for n in order if n in found] + ([extra] if extra else [])
     plans += [p for n, p in sorted(found.items(), key=lambda kv: _layer_order(kv[0])) if n.startswith("blk.")]
     plans += [found[n] for n in ("output_norm.weight", "output_norm.bias", "output.weight") if n in found]
-    choose = _type_chooser(mixture, arch, layers, folder)
+    choose = _type_chooser(mixture, arch, config, "output.weight" not in found, folder)
     for p in plans:
         p.type_name = choose(p)
     return plans
@@ -495,35 +493,31 @@ def _keeps_float(p: TensorPlan) -> bool:
             or p.name in ("position_embd.weight", "rope_freqs.weight"))
 
 
-# llama.cpp's fallback for rows that are not whole 256-value blocks (IQ4_NL, its choice for
-# Q2_K/Q3_K, is not a type twice has: Q4_0 is the 4-bit 32-value type closest to it).
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-
-
-def _type_chooser(mixture: str, arch: str, layers: int, folder: Path) -> Callable[[TensorPlan], str]:
+def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, folder: Path) -> Callable[[TensorPlan], str]:
+    """The type of each tensor: llama.cpp's mixture rules (core/quant/mixes.py), with its
+    fallback for rows that are not whole 256-value blocks. Where not even the fallback's
+    32-value blocks divide a row (llama.cpp would then write F16, or refuse a plain 32-value
+    type), the mixture cannot hold the model: one line."""
     from twice.core import quant
+    from twice.core.quant import mixes
 
-    base = MIXTURES[mixture][1]
-    try:
-        from twice.core.quant.mixes import tensor_type  # the per-tensor rules of llama.cpp's mixtures
-    except ImportError:
-        tensor_type = None
+    base = mixes.MIXTURES[mixture]
+    n_gqa = config.num_attention_heads // config.num_key_value_heads
 
     def choose(p: TensorPlan) -> str:
         if _keeps_float(p):
             return "F32"
-        if mixture in _FLOAT_MIXTURES:
+        if not quant.codec(base).quantized:
             return base
         n = p.shape[-1]
-        try:
-            if tensor_type is not None:
-                kind = str(tensor_type(mixture, p.name, layers, p.shape, arch)).upper()
-            else:  # without the mixture rules: the base type, or llama.cpp's fallback where its rows do not fit
-                kind = base if n % quant.codec(base).block_size == 0 else _FALLBACK.get(base, base)
-            quant.codec(kind).row_bytes(n)
-        except ValueError as e:
+        kind = mixes.tensor_type(mixture, p.name, config.num_hidden_layers, p.shape, arch,
+                                 tied_embeddings=tied, n_gqa=n_gqa)
+        if not quant.codec(kind).quantized:
+            tried = [base] + [t for t in (mixes.FALLBACK.get(base),) if t]
+            sizes = " or ".join(f"{t} ({quant.codec(t).block_size})" for t in tried)
             raise UnsupportedModelError(
-                f"{folder}: tensor {p.name} (rows of {n} values) cannot be stored as {mixture}: {e}") from None
+                f"{folder}: tensor {p.name} (rows of {n} values) cannot be stored as {mixture}: rows must be whole "
+                f"blocks of {sizes} values; choose f16, bf16 or f32 for this model")
         if not _can_quantize(kind):
             raise UnsupportedModelError(f"quantizing to {kind} (for --type {mixture}) is not available in this "
                                         "version of twice")
@@ -536,32 +530,17 @@ def _can_quantize(type_name: str) -> bool:
     from twice.core import quant
 
     codec = quant.codec(type_name)
-    if not codec.quantized:
-        return True
-    try:
-        return _quantize(torch.zeros(1, codec.block_size), type_name).shape == (1, codec.type_size)
-    except NotImplementedError:
-        return False
+    return codec.name == "F32" or codec.quantize_blocks is not None
 
 
 def _quantize(x: torch.Tensor, type_name: str) -> np.ndarray:
-    """float32 rows → the type's block bytes (uint8 rows) or its float values: twice's own
-    quantizers (core/quant), else the gguf package's (the 32-value types)."""
+    """float32 rows → the type's bytes (uint8 rows; F32 as it is) by twice's quantizers
+    (core/quant: llama.cpp's reference quantizers, bit for bit gguf's where gguf has them)."""
     from twice.core import quant
 
     if type_name == "F32":
         return x.contiguous().numpy()
-    if type_name == "F16":
-        return x.to(torch.float16).numpy()
-    if type_name == "BF16":
-        return x.to(torch.bfloat16).view(torch.int16).numpy()
-    ours = getattr(quant, "quantize", None)
-    codec = quant.codec(type_name)
-    if ours is not None and codec.quantize_blocks is not None:
-        return ours(x.contiguous(), type_name).numpy()
-    import gguf
-
-    return gguf.quants.quantize(x.contiguous().numpy(), gguf.GGMLQuantizationType[type_name])
+    return quant.quantize(x, type_name).numpy()
 
 
 def _encode(p: TensorPlan) -> np.ndarray:
@@ -571,9 +550,12 @@ def _encode(p: TensorPlan) -> np.ndarray:
         raise WeightsError(f"tensor {p.source} has shape {list(values.shape)}, expected {list(p.shape)}")
     rows = values.reshape(-1, p.shape[-1]) if values.dim() > 1 else values.reshape(1, -1)
     step = max(1, _CHUNK_VALUES // max(1, rows.shape[1]))
-    if rows.shape[0] <= step:
-        return _quantize(rows, p.type_name).reshape(-1)
-    parts = [_quantize(rows[i : i + step], p.type_name).reshape(-1) for i in range(0, rows.shape[0], step)]
+    try:
+        if rows.shape[0] <= step:
+            return _quantize(rows, p.type_name).reshape(-1)
+        parts = [_quantize(rows[i : i + step], p.type_name).reshape(-1) for i in range(0, rows.shape[0], step)]
+    except ValueError as e:  # values the type cannot hold (past fp16's range): the quantizer's one line
+        raise WeightsError(f"tensor {p.source} ({p.name}): {e}") from None
     return np.concatenate(parts)
 
 
@@ -637,5 +619,24 @@ def _add(writer, key: str, kind: str, value) -> None:
         raise ValueError(kind)
 
 
-__all__ = ["MIXTURES", "ALIASES", "ARCHITECTURES", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
+__all__ = ["FILE_TYPES", "ARCHITECTURES", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
            "TwiceError"]
+
+
+def memory_types(config: ModelConfig, mixture: str, params: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """`--quantize MIXTURE` in memory: the type llama.cpp's mixture gives each checkpoint
+    matrix (Hugging Face name → type name), by the same rules `twice quantize` writes with.
+    `params`: checkpoint name → shape (rows first), of the matrices that may be quantized."""
+    mixture = canonical_mixture(mixture)
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise UnsupportedModelError(f"model type {config.model_type!r} has no GGUF mixture rules")
+    tied = config.tie_word_embeddings
+    choose = _type_chooser(mixture, arch, config, tied, Path(f"--quantize {mixture}"))
+    out: dict[str, str] = {}
+    for hf, shape in params.items():
+        name = _gguf_name(hf, arch, config.num_hidden_layers)
+        if name is None or (name == "output.weight" and tied):
+            continue
+        out[hf] = choose(TensorPlan(name, tuple(shape), "F32", lambda: None, source=hf))
+    return out
