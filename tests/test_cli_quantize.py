@@ -365,6 +365,35 @@ def test_row_length_no_block_fits_is_one_line(tmp_path, capsys, tokenizer):
     _quantize(tmp_path, capsys, folder, "f16")  # a float type holds any row
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"byte_fallback": True}, "with byte fallback (SentencePiece style) cannot be written as GGUF yet"),
+    ("wordlevel", "a WordLevel tokenizer cannot be written as GGUF"),
+    ("pre", "its pre-tokenizer matches none llama.cpp knows by name"),
+])
+def test_tokenizers_gguf_cannot_hold_are_one_line(tmp_path, capsys, model_dirs, change, words):
+    src = model_dirs("llama")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    if change == "wordlevel":
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+    data = json.loads((folder / "tokenizer.json").read_text())
+    if change == "wordlevel":
+        pass
+    elif change == "pre":
+        data["pre_tokenizer"] = {"type": "Whitespace"}
+    else:
+        data["model"].update(change)
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    out = tmp_path / "o.gguf"
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys)
+    assert words in one_error_line(r)
+    assert not out.exists()
+
+
 def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 

@@ -251,7 +251,7 @@ def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, st
     if model.get("byte_fallback"):
         raise UnsupportedModelError(f"{path}: a BPE tokenizer with byte fallback (SentencePiece style) cannot be "
                                     "written as GGUF yet; supported: byte-level BPE")
-    pre = _pre_name(data.get("pre_tokenizer"), path)
+    pre = _pre_name(data.get("pre_tokenizer"), bool(model.get("ignore_merges")), path)
 
     added = {}
     for entry in data.get("added_tokens") or []:
@@ -321,7 +321,7 @@ def _adds_specials(tok, bos: int | None, eos: int | None) -> tuple[bool, bool]:
     return add_bos, add_eos
 
 
-def _pre_name(pre: Any, path: Path) -> str:
+def _pre_name(pre: Any, ignore_merges: bool, path: Path) -> str:
     """tokenizer.ggml.pre for a tokenizer.json pre-tokenizer: the names llama.cpp's loader knows
     for the same splitting (checked by structure; an unknown one is refused rather than
     written as a name that would split text differently in llama.cpp)."""
@@ -343,8 +343,8 @@ def _pre_name(pre: Any, path: Path) -> str:
         if split.get("behavior") == "Isolated" and not split.get("invert"):
             if regex == _QWEN2_SPLIT:
                 return "qwen2"
-            if regex == _LLAMA3_SPLIT:
-                return "llama-bpe"
+            if regex == _LLAMA3_SPLIT:  # llama.cpp's llama3 takes a word whole when it is a token
+                return "llama-bpe" if ignore_merges else "smaug-bpe"
     raise UnsupportedModelError(f"{path}: its pre-tokenizer matches none llama.cpp knows by name (supported: GPT-2's "
                                 "byte-level regex, SmolLM's digits + byte-level, Qwen2's and Llama 3's split patterns)")
 
