@@ -202,3 +202,20 @@ def test_avx512_and_vnni_variants_compile(march, tmp_path):
                              *sources, "-o", str(tmp_path / "q.so"), "-lm"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
+
+
+def test_a_prepared_row_serves_its_whole_family():
+    """q_prepare gives the same bytes for every 32-value type, and for every K type, so
+    matrices of mixed types (Q5_0 q/k and Q8_0 v; Q4_K gate/up and Q6_K down) can share it."""
+    lib = kernels.library()
+    x = _x(3, 512, seed=3)
+
+    def prepared(name):
+        t = quant.codec(name).ggml_type
+        buf = torch.empty(3 * lib.q_act_bytes(t, 512), dtype=torch.uint8)
+        lib.q_prepare(t, x.data_ptr(), 512, 3, buf.data_ptr())
+        return buf
+
+    for family in (["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"], ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]):
+        first = prepared(family[0])
+        assert all(torch.equal(prepared(name), first) for name in family[1:])

@@ -39,7 +39,7 @@ int64_t q_row_bytes(int type, int64_t n) {
 int64_t q_act_bytes(int type, int64_t n) {
     if (q_row_bytes(type, n) < 0) return -1;
     if (is_float(type)) return 4 * n;
-    if (is_legacy(type)) return qd_round64(n + 8 * (n / QK));
+    if (is_legacy(type)) return qd_round64(n + 16 * (n / QK));
     return qd_round64(n + 4 * (n / QKK) + 2 * (n / 16));
 }
 
@@ -73,18 +73,17 @@ static void prepare_row(int type, const float *x, int64_t n, uint8_t *out) {
     }
     if (is_legacy(type)) {
         const int64_t nb = n / QK;
-        float *d = (float *)(out + n);
-        int32_t *aux = (int32_t *)(out + n + 4 * nb);
+        float *d = (float *)(out + n); /* {d, d·Σq} per block */
+        int32_t *offsets = (int32_t *)(out + n + 8 * nb); /* {-8·Σq, -16·Σq}: Q4_0's, Q5_0's */
         for (int64_t b = 0; b < nb; b++) {
-            d[b] = quantize_block(x + b * QK, QK, qs + b * QK);
+            d[2 * b] = quantize_block(x + b * QK, QK, qs + b * QK);
             int32_t s = 0;
             for (int j = 0; j < QK; j++) s += qs[b * QK + j];
-            if (type == QT_Q4_0) aux[b] = -8 * s;
-            else if (type == QT_Q5_0) aux[b] = -16 * s;
-            else if (type == QT_Q8_0) aux[b] = 0;
-            else { const float f = d[b] * (float)s; memcpy(aux + b, &f, 4); }
+            offsets[2 * b] = -8 * s;
+            offsets[2 * b + 1] = -16 * s;
+            d[2 * b + 1] = d[2 * b] * (float)s;
         }
-        memset(out + n + 8 * nb, 0, q_act_bytes(type, n) - (n + 8 * nb));
+        memset(out + n + 16 * nb, 0, q_act_bytes(type, n) - (n + 16 * nb));
         return;
     }
     const int64_t nb = n / QKK;

@@ -7,12 +7,14 @@
  * a type's offset (Q4_0's 8, Q6_K's 32, ...) and mins go through the activation's block sums.
  *
  * Prepared activation rows (q_act_bytes bytes each, a multiple of 64):
- * - 32-value types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0): int8 qs[n] | float d[n/32] | aux[n/32], where
- *   aux is int32 -off·Σq for Q4_0 (off 8) and Q5_0 (off 16), float d·Σq for Q4_1/Q5_1, 0 for Q8_0;
+ * - 32-value types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0): int8 qs[n] | float {d, d·Σq}[n/32] |
+ *   int32 {-8·Σq, -16·Σq}[n/32] (the offsets of Q4_0 and Q5_0);
  * - 256-value types (Q2_K..Q6_K, as llama.cpp's Q8_K): int8 qs[n] | float d[n/256] |
  *   int16 bsums[n/16] (the sum of each 16 quants);
  * - F32/F16/BF16 weights: the n float32 values.
- * Quantization: d = max|x|/127 per block, q = round-to-nearest-even(x/d) (so |q| ≤ 127).
+ * Quantization: d = max|x|/127 per block, q = round-to-nearest-even(x·(1/d)) (so |q| ≤ 127).
+ * A prepared row is the same for every type of a family (all five 32-value types, all five
+ * K types), so matrices of mixed types that share an input can share its preparation.
  */
 #ifndef TWICE_QDOT_H
 #define TWICE_QDOT_H

@@ -126,15 +126,56 @@ REF_TILE(QT_Q6_K, ref_q6_k)
 #define BIT_TO(v, k, to) _mm256_and_si256((k) <= (to) ? _mm256_slli_epi16(v, (to) - (k)) : _mm256_srli_epi16(v, (k) - (to)), \
                                           _mm256_set1_epi8(1 << (to)))
 
-/* For 16 int16 scales s (one per 16 values) in a 256-bit register: a vector of
- * [s[2g] ×8, s[2g+1] ×8], the multipliers of 32-value group g after maddubs. */
-static inline __m256i scales_of_group(__m256i s16, int g) {
-    /* pick int16 2g (low 128-bit half) and 2g+1 (high half) of the scales broadcast to both halves */
-    const __m128i lo = _mm256_castsi256_si128(s16), hi = _mm256_extracti128_si256(s16, 1);
-    const __m128i src = g < 4 ? lo : hi;
-    const int a = (2 * g) & 7, b = (2 * g + 1) & 7;
-    const __m128i pa = _mm_set1_epi16((short)(0x0100 + 0x0202 * a)), pb = _mm_set1_epi16((short)(0x0100 + 0x0202 * b));
-    return _mm256_set_m128i(_mm_shuffle_epi8(src, pb), _mm_shuffle_epi8(src, pa));
+/* 16 int16 scales (one per 16 values) → the madd multipliers of 32-value group g after
+ * maddubs: [s[2g] ×8 | s[2g+1] ×8]. lo/hi are s[0..7] and s[8..15] broadcast to both
+ * 128-bit halves, so it is one in-lane byte shuffle. */
+static inline __m256i group_scales(__m256i lo, __m256i hi, int g) {
+    const int a = (2 * g) & 7, b = a + 1;
+    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * b)),
+                                          _mm_set1_epi16((short)(0x0100 + 0x0202 * a)));
+    return _mm256_shuffle_epi8(g < 4 ? lo : hi, pick);
+}
+
+static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* 16 scales as int8 (Q3_K: six-bit, minus 32), built in registers (llama.cpp's mask trick). */
+static inline __m128i q3k_scales(const uint8_t *s) {
+    const uint32_t a0 = load32(s), a1 = load32(s + 4), a2 = load32(s + 8), k2 = 0x0f0f0f0f, k1 = 0x03030303;
+    const __m128i v = _mm_set_epi32((int)(((a1 >> 4) & k2) | (((a2 >> 6) & k1) << 4)),
+                                    (int)(((a0 >> 4) & k2) | (((a2 >> 4) & k1) << 4)),
+                                    (int)((a1 & k2) | (((a2 >> 2) & k1) << 4)), (int)((a0 & k2) | ((a2 & k1) << 4)));
+    return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+
+/* Q4_K/Q5_K: 12 bytes → 8 scales (bytes 0..7) and 8 mins (bytes 8..15), in registers. */
+static inline __m128i k4_scales_mins(const uint8_t *s) {
+    const uint32_t u0 = load32(s), u1 = load32(s + 4), u2 = load32(s + 8);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    return _mm_set_epi32((int)(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)), (int)(u1 & k1),
+                         (int)((u2 & k2) | (((u0 >> 6) & k3) << 4)), (int)(u0 & k1));
+}
+
+/* The 32 unsigned quants of group g (values 32g..32g+31) of a super-block. */
+static inline __attribute__((always_inline)) __m256i group_quants(const int T, const uint8_t *blk, int g, __m256i high) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    if (T == QT_Q2_K || T == QT_Q3_K) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (T == QT_Q2_K ? 16 : 32) + 32 * (g >> 2)));
+        const __m256i q = _mm256_and_si256((g & 3) ? _mm256_srli_epi16(v, 2 * (g & 3)) : v, m3);
+        return T == QT_Q2_K ? q : _mm256_or_si256(q, BIT_TO(high, g, 2));
+    }
+    if (T == QT_Q4_K || T == QT_Q5_K) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (T == QT_Q4_K ? 16 : 48) + 32 * (g >> 1)));
+        const __m256i q = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(v, 4) : v, m4);
+        return T == QT_Q4_K ? q : _mm256_or_si256(q, BIT_TO(high, g, 4));
+    }
+    /* Q6_K: low 4 bits from ql (two 32-byte runs per half, low then high nibbles), top 2 from qh */
+    const int h = g >> 2, k = g & 3;
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k & 1)));
+    const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256((k & 2) ? _mm256_srli_epi16(l, 4) : l, m4);
+    const __m256i hi = k == 0 ? _mm256_slli_epi16(hv, 4) : k == 1 ? _mm256_slli_epi16(hv, 2)
+                     : k == 2 ? hv : _mm256_srli_epi16(hv, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
 
 static inline __attribute__((always_inline)) void tile_kquant(const int T, const int NR, const uint8_t *w,
@@ -143,108 +184,60 @@ static inline __attribute__((always_inline)) void tile_kquant(const int T, const
     const int64_t nb = n / QKK;
     const int bs = T == QT_Q2_K ? 84 : T == QT_Q3_K ? 110 : T == QT_Q4_K ? 144 : T == QT_Q5_K ? 176 : 210;
     const int two = T == QT_Q2_K || T == QT_Q4_K || T == QT_Q5_K; /* mins with their own dmin */
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
     __m256 acc[4];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bs;
         float d, dmin = 0.0f;
-        __m256i s16, m16; /* the 16 scales and the 16 mins (or offset·scale) as int16 */
-        __m256i q[8];
+        __m128i s8; /* the 16 scales (one per 16 values), int8 or uint8 */
+        __m256i m16; /* the 16 mins (or offset·scale) as int16 */
+        __m256i high = _mm256_setzero_si256(); /* Q3_K's hmask, Q5_K's qh */
         if (T == QT_Q2_K) {
             const __m128i s = _mm_loadu_si128((const __m128i *)blk);
-            s16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, _mm_set1_epi8(0x0f)));
+            s8 = _mm_and_si128(s, _mm_set1_epi8(0x0f));
             m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0f)));
             d = qd_f16(blk + 80);
             dmin = qd_f16(blk + 82);
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
-                q[4 * h + 0] = _mm256_and_si256(v, m3);
-                q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
-                q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
-                q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
-            }
         } else if (T == QT_Q3_K) {
-            int8_t sc[16];
-            qd_scales_q3k(blk + 96, sc);
-            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-            m16 = _mm256_slli_epi16(s16, 2);
+            s8 = q3k_scales(blk + 96);
+            m16 = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2);
             d = qd_f16(blk + 108);
-            const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
-                q[4 * h + 0] = _mm256_and_si256(v, m3);
-                q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
-                q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
-                q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
-            }
-            q[0] = _mm256_or_si256(q[0], BIT_TO(hm, 0, 2));
-            q[1] = _mm256_or_si256(q[1], BIT_TO(hm, 1, 2));
-            q[2] = _mm256_or_si256(q[2], BIT_TO(hm, 2, 2));
-            q[3] = _mm256_or_si256(q[3], BIT_TO(hm, 3, 2));
-            q[4] = _mm256_or_si256(q[4], BIT_TO(hm, 4, 2));
-            q[5] = _mm256_or_si256(q[5], BIT_TO(hm, 5, 2));
-            q[6] = _mm256_or_si256(q[6], BIT_TO(hm, 6, 2));
-            q[7] = _mm256_or_si256(q[7], BIT_TO(hm, 7, 2));
+            high = _mm256_loadu_si256((const __m256i *)blk);
         } else if (T == QT_Q4_K || T == QT_Q5_K) {
-            uint8_t sm[16];
-            qd_scale_min_k4(blk + 4, sm);
+            const __m128i sm = k4_scales_mins(blk + 4);
             const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-            const __m128i raw = _mm_loadu_si128((const __m128i *)sm);
-            s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(raw, dup));
-            m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup));
+            s8 = _mm_shuffle_epi8(sm, dup);
+            m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(sm, 8), dup));
             d = qd_f16(blk);
             dmin = qd_f16(blk + 2);
-            const uint8_t *qs = blk + (T == QT_Q4_K ? 16 : 48);
-            for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                q[2 * j] = _mm256_and_si256(v, m4);
-                q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-            if (T == QT_Q5_K) {
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));
-                q[0] = _mm256_or_si256(q[0], BIT_TO(hb, 0, 4));
-                q[1] = _mm256_or_si256(q[1], BIT_TO(hb, 1, 4));
-                q[2] = _mm256_or_si256(q[2], BIT_TO(hb, 2, 4));
-                q[3] = _mm256_or_si256(q[3], BIT_TO(hb, 3, 4));
-                q[4] = _mm256_or_si256(q[4], BIT_TO(hb, 4, 4));
-                q[5] = _mm256_or_si256(q[5], BIT_TO(hb, 5, 4));
-                q[6] = _mm256_or_si256(q[6], BIT_TO(hb, 6, 4));
-                q[7] = _mm256_or_si256(q[7], BIT_TO(hb, 7, 4));
-            }
+            if (T == QT_Q5_K) high = _mm256_loadu_si256((const __m256i *)(blk + 16));
         } else { /* Q6_K */
-            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            m16 = _mm256_slli_epi16(s16, 5);
+            s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            m16 = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
             d = qd_f16(blk + 208);
-            const __m256i m30 = _mm256_set1_epi8(0x30);
-            for (int h = 0; h < 2; h++) {
-                const __m256i la = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i lb = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30));
-                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30));
-                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_and_si256(hv, m30));
-                q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30));
+        }
+        const __m256i s16 = (T == QT_Q3_K || T == QT_Q6_K) ? _mm256_cvtepi8_epi16(s8) : _mm256_cvtepu8_epi16(s8);
+        const __m256i slo = _mm256_permute2x128_si256(s16, s16, 0x00), shi = _mm256_permute2x128_si256(s16, s16, 0x11);
+        __m256i isum[4];
+        for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) { /* unrolled: g is a constant in every shift and shuffle */
+            const __m256i q = group_quants(T, blk, g, high), sg = group_scales(slo, shi, g);
+            for (int r = 0; r < NR; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * xs + b * QKK + 32 * g));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sg));
             }
         }
-        __m256i sg[8];
-        for (int g = 0; g < 8; g++) sg[g] = scales_of_group(s16, g);
         for (int r = 0; r < NR; r++) {
             const uint8_t *xr = x + r * xs;
-            const int8_t *xq = (const int8_t *)xr + b * QKK;
-            __m256i isum = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xv), sg[g]));
-            }
             const __m256i imin = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(K_BSUMS(xr, n) + 16 * b)));
             const float dx = K_D(xr, n)[b];
             if (two) {
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
                 acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dx * dmin), _mm256_cvtepi32_ps(imin), acc[r]);
             } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, imin)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], imin)),
+                                         acc[r]);
             }
         }
     }

@@ -2,7 +2,7 @@
  *
  * Per block, the weight quants q (unsigned: 0..15, 0..31; Q8_0's signed ones by the sign
  * trick, |w|·sign(x, w)) meet the activation's int8 quants in one integer dot product;
- * Q4_0/Q5_0's offset enters as the integer -off·Σx_q the activation row carries, so
+ * Q4_0/Q5_0's offset enters through the block sum Σx_q the activation row carries, so
  * d_w·d_x·(Σq·x_q - off·Σx_q) is exact up to one float product per block; Q4_1/Q5_1's min
  * adds m·(d_x·Σx_q). The AVX2 tile unpacks each weight block once for its 1–4 activation
  * rows; each row keeps its own accumulator, summed in the same order whatever the tile's
@@ -10,7 +10,10 @@
  */
 #include "qdot.h"
 
-#define LEGACY_AUX(x, n) ((const void *)((x) + (n) + 4 * ((n) / QK)))
+/* The prepared row (qdot.h): qs[n] | {d_x, d_x·Σx_q} per block | int32 {-8·Σx_q, -16·Σx_q}
+ * per block (Q4_0's and Q5_0's offsets). */
+#define LEGACY_DX(x, n) ((const float *)((x) + (n)))
+#define LEGACY_OFF(x, n) ((const int32_t *)((x) + (n) + 8 * ((n) / QK)))
 
 /* ---- scalar reference ---------------------------------------------------------------- */
 
@@ -51,8 +54,7 @@ static int legacy_size(int type) {
 static float ref_dot(int type, const uint8_t *w, const uint8_t *x, int64_t n) {
     const int64_t nb = n / QK;
     const int8_t *xq = (const int8_t *)x;
-    const float *xd = (const float *)(x + n);
-    const float *xs = (const float *)LEGACY_AUX(x, n);
+    const float *xd = LEGACY_DX(x, n);
     const int bs = legacy_size(type);
     float sum = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -61,8 +63,8 @@ static float ref_dot(int type, const uint8_t *w, const uint8_t *x, int64_t n) {
         legacy_block(type, w + b * bs, q, &d, &m);
         int32_t isum = 0;
         for (int j = 0; j < QK; j++) isum += q[j] * xq[b * QK + j];
-        sum += d * xd[b] * (float)isum;
-        if (type == QT_Q4_1 || type == QT_Q5_1) sum += m * xs[b];
+        sum += d * xd[2 * b] * (float)isum;
+        if (type == QT_Q4_1 || type == QT_Q5_1) sum += m * xd[2 * b + 1];
     }
     return sum;
 }
@@ -80,10 +82,11 @@ REF_TILE(QT_Q8_0, ref_q8_0)
 
 /* ---- AVX2 ------------------------------------------------------------------------------ */
 #ifdef __AVX2__
-/* 16 bytes of nibbles → 32 bytes: low nibbles (values 0..15) in the low half, high ones above. */
+/* 16 bytes of nibbles → 32 bytes: low nibbles (values 0..15) in the low half, high ones
+ * above (one broadcast load, one variable shift, one and). */
 static inline __m256i nibbles32(const uint8_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f));
 }
 
 /* 32 bits → 32 bytes, byte j = 0x10 where bit j is set (the 5th bit of value j). */
@@ -96,46 +99,76 @@ static inline __m256i bits32_to_0x10(const uint8_t *p) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
+/* Per block and row: the integer dot product (plus Q4_0/Q5_0's integer offset) as 8 int32
+ * lanes, times d·d_x into one of the row's two vector accumulators (even and odd blocks:
+ * two chains of FMAs, not one, hide their latency at batch 1); Q4_1/Q5_1's m·(d_x·Σx_q)
+ * comes from the same 2-lane product [d, m]·[d_x, d_x·Σx_q] into a third, lane 1 of which
+ * is kept. */
+static inline __attribute__((always_inline)) void legacy_step(const int T, const int NR, const uint8_t *blk,
+                                                              const uint8_t **xp, const float **dp,
+                                                              const int32_t **op, __m256 *acc, __m128 *accm) {
+    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
+    uint32_t dm;
+    memcpy(&dm, blk, 4); /* d, and m where the type has one */
+    const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+    __m256i q, sgn = _mm256_setzero_si256();
+    if (T == QT_Q8_0) {
+        sgn = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        q = _mm256_sign_epi8(sgn, sgn);
+    } else if (T == QT_Q4_0) {
+        q = nibbles32(blk + 2);
+    } else if (T == QT_Q4_1) {
+        q = nibbles32(blk + 4);
+    } else if (T == QT_Q5_0) {
+        q = _mm256_or_si256(nibbles32(blk + 6), bits32_to_0x10(blk + 2));
+    } else {
+        q = _mm256_or_si256(nibbles32(blk + 8), bits32_to_0x10(blk + 4));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)xp[r]);
+        xp[r] += QK;
+        if (T == QT_Q8_0) xv = _mm256_sign_epi8(xv, sgn);
+        __m256i p = _mm256_setzero_si256();
+        if (has_off) {
+            p = _mm256_zextsi128_si256(_mm_cvtsi32_si128(*op[r]));
+            op[r] += 2;
+        }
+        p = qd_dot_u8s8(p, q, xv);
+        const __m128 scales = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)dp[r])));
+        dp[r] += 2;
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(p), acc[r]);
+        if (has_min) accm[r] = _mm_add_ps(accm[r], scales);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_legacy(const int T, const int NR, const uint8_t *w,
                                                               const uint8_t *x, int64_t xs, int64_t n, float *y,
                                                               int64_t ldy) {
     const int64_t nb = n / QK;
     const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
-    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
-    __m256 acc[4];
-    float accm[4];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bs;
-        const float d = qd_f16(blk);
-        float m = 0.0f;
-        __m256i q, sgn = _mm256_setzero_si256();
-        if (T == QT_Q8_0) {
-            sgn = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            q = _mm256_sign_epi8(sgn, sgn);
-        } else if (T == QT_Q4_0) {
-            q = nibbles32(blk + 2);
-        } else if (T == QT_Q4_1) {
-            m = qd_f16(blk + 2);
-            q = nibbles32(blk + 4);
-        } else if (T == QT_Q5_0) {
-            q = _mm256_or_si256(nibbles32(blk + 6), bits32_to_0x10(blk + 2));
-        } else {
-            m = qd_f16(blk + 2);
-            q = _mm256_or_si256(nibbles32(blk + 8), bits32_to_0x10(blk + 4));
-        }
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *xr = x + r * xs;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QK));
-            if (T == QT_Q8_0) xv = _mm256_sign_epi8(xv, sgn);
-            __m256i p = has_off ? _mm256_zextsi128_si256(_mm_cvtsi32_si128(((const int32_t *)LEGACY_AUX(xr, n))[b]))
-                                : _mm256_setzero_si256();
-            p = qd_dot_u8s8(p, q, xv);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ((const float *)(xr + n))[b]), _mm256_cvtepi32_ps(p), acc[r]);
-            if (has_min) accm[r] += m * ((const float *)LEGACY_AUX(xr, n))[b];
-        }
+    __m256 even[4], odd[4];
+    __m128 accm[4];
+    const uint8_t *xp[4]; /* row r's quants of the next block, its {d_x, d_x·Σx_q}, its offsets */
+    const float *dp[4];
+    const int32_t *op[4];
+    for (int r = 0; r < NR; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+        xp[r] = x + r * xs;
+        dp[r] = LEGACY_DX(x + r * xs, n);
+        op[r] = LEGACY_OFF(x + r * xs, n) + (T == QT_Q5_0);
     }
-    for (int r = 0; r < NR; r++) y[r * ldy] = qd_hsum(acc[r]) + accm[r];
+    const uint8_t *blk = w;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, blk += 2 * bs) {
+        legacy_step(T, NR, blk, xp, dp, op, even, accm);
+        legacy_step(T, NR, blk + bs, xp, dp, op, odd, accm);
+    }
+    if (b < nb) legacy_step(T, NR, blk, xp, dp, op, even, accm);
+    for (int r = 0; r < NR; r++)
+        y[r * ldy] = qd_hsum(_mm256_add_ps(even[r], odd[r])) +
+                     ((T == QT_Q4_1 || T == QT_Q5_1) ? _mm_cvtss_f32(_mm_movehdup_ps(accm[r])) : 0.0f);
 }
 
 #define AVX2_TILE(T, NAME)                                                                            \
