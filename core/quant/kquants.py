@@ -360,6 +360,14 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_u8(sc), _u8(_pack_2bit(L)), f16_bytes(d), f16_bytes(dmin)], dim=1)
 
 
+def _pack_q3_scales(l: torch.Tensor) -> torch.Tensor:
+    """Q3_K: 16 six-bit scales (N, 16), offset by 32 -> 12 bytes: low nibbles of 0..7 and, above
+    them, of 8..15 in bytes 0..7; the top 2 bits of scale j in byte 8 + j % 4 at shift 2 * (j // 4)."""
+    high = (l >> 4).reshape(-1, 4, 4)
+    high = (high << (2 * torch.arange(4, dtype=high.dtype)).reshape(1, 4, 1)).sum(dim=1)
+    return _u8(torch.cat([(l[:, :8] & 0x0F) | ((l[:, 8:] & 0x0F) << 4), high], dim=1))
+
+
 @_chunked
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     """quantize_row_q3_K_ref: 16 sub-blocks of 16, symmetric 3-bit, 6-bit signed scales."""
@@ -372,9 +380,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     iscale = _div(-32.0, max_scale)
     l = _i8(nearest_int(iscale[:, None] * scales)).clamp_(-32, 31) + 32
     l = torch.where(has, l, 0)
-    high = (l >> 4).reshape(N, 4, 4)  # j = 4*jj + k goes to byte 8 + k at shift 2*jj
-    high = (high << (2 * torch.arange(4, dtype=high.dtype)).reshape(1, 4, 1)).sum(dim=1)
-    sc_bytes = torch.cat([(l[:, :8] & 0x0F) | ((l[:, 8:] & 0x0F) << 4), high], dim=1)
+    sc_bytes = _pack_q3_scales(l)
     d = torch.where(has[:, 0], _div(1.0, iscale), torch.zeros_like(iscale))
     dsub = (f16_round(d)[:, None] * (l - 32).float()).reshape(1, -1)
     lq = nearest_int(xc / dsub).clamp_(-4, 3) + 4

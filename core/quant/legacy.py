@@ -3,8 +3,9 @@
 Reference dequantizers from block bytes to float32, in the order of operations of the
 `gguf` package's numpy code (bit-exact). Layouts: see the package docstring.
 
-Quantizers from float32 blocks to block bytes, bit for bit those of ``gguf.quants.quantize``
-(the numpy port of llama.cpp's ``quantize_row_*_ref``): the scale from the block's absolute
+Quantizers from float32 blocks to block bytes, bit for bit those of llama.cpp's
+``quantize_row_*_ref`` and of ``gguf.quants.quantize`` (its numpy port; the two differ only in
+the sign bit of a zero d or m in a block of zeros holding a -0.0, where this follows C): the scale from the block's absolute
 maximum (Q8_0, Q4_0, Q5_0: d = max / -8 or -16 with the sign of the value of largest magnitude,
 so that value lands on the end of the range) or from its range (Q4_1, Q5_1: d = (max - min) / 15
 or 31, m = min); each value truncated after adding the half step, clipped to the range. The float32
@@ -60,8 +61,17 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
 
 
 def _signed_absmax(b: torch.Tensor) -> torch.Tensor:
-    """The value of largest magnitude in each block (the first of equal ones), shape (n, 1)."""
-    return b.gather(1, b.abs().argmax(dim=1, keepdim=True))
+    """The value of largest magnitude in each block (the first of equal ones), shape (n, 1);
+    +0 for a block of zeros, as C's loop from max = 0 leaves it (gguf's argmax takes the first
+    zero, which may be -0.0: the only place the two differ, the sign of a zero d)."""
+    v = b.gather(1, b.abs().argmax(dim=1, keepdim=True))
+    return torch.where(v == 0, torch.zeros_like(v), v)
+
+
+def _min_max(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first smallest and first largest value of each block, shape (n, 1): C's compare loop,
+    which decides the sign of a zero minimum (numpy's and torch's min/max leave it unspecified)."""
+    return b.gather(1, b.argmin(dim=1, keepdim=True)), b.gather(1, b.argmax(dim=1, keepdim=True))
 
 
 def _low_high(q: torch.Tensor) -> torch.Tensor:
@@ -90,8 +100,7 @@ def quantize_q4_0(b: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q4_1(b: torch.Tensor) -> torch.Tensor:
-    mx = b.amax(dim=1, keepdim=True)
-    mn = b.amin(dim=1, keepdim=True)
+    mn, mx = _min_max(b)
     d = (mx - mn) / 15
     q = _trunc_u8((b - mn) * _inverse(d) + 0.5, 15)
     return torch.cat([f16_bytes(d), f16_bytes(mn), _low_high(q)], dim=1)
@@ -104,8 +113,7 @@ def quantize_q5_0(b: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q5_1(b: torch.Tensor) -> torch.Tensor:
-    mx = b.amax(dim=1, keepdim=True)
-    mn = b.amin(dim=1, keepdim=True)
+    mn, mx = _min_max(b)
     d = (mx - mn) / 31
     q = _trunc_u8((b - mn) * _inverse(d) + 0.5, 31)
     return torch.cat([f16_bytes(d), f16_bytes(mn), pack_bits_le(q >> 4), _low_high(q)], dim=1)
