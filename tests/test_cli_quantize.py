@@ -225,7 +225,10 @@ def test_convert_back_gives_the_same_model(tmp_path, capsys, model_dirs, tokeniz
     assert hf_b.chat_template == hf_a.chat_template
 
 
-@pytest.mark.parametrize("family, kind", [("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"), ("qwen2", "q8_0")])
+@pytest.mark.parametrize("family, kind", [
+    ("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"),
+    pytest.param("qwen2", "q8_0", marks=pytest.mark.slow),  # builds the quantized-weight kernels (~40 s)
+])
 def test_twice_runs_the_output_as_stored(tmp_path, capsys, model_dirs, tokenizer, family, kind):
     """twice's own GGUF loader (weights as stored) reads our file as the same model:
     transformers' logits on the float folder exactly for f32 (so the layout is right:
