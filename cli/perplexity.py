@@ -188,6 +188,7 @@ class _Bar:
         if self.progress is not None:
             self.progress.update(self.task, description="windows", total=event.windows, completed=event.window,
                                  so_far=f"perplexity so far {event.perplexity:.3f}")
+            self.progress.refresh()  # a window takes milliseconds to seconds: drawn as it ends
 
 
 def _load(bar: _Bar, model, revision, device, dtype):

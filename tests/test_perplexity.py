@@ -162,6 +162,26 @@ def test_json_object(capsys, model_dirs, text_file, monkeypatch):
     assert ppl_json(capsys, text_file, "--model", model_dirs("qwen2"), "--max-tokens", 64)["weights"] == summary
 
 
+def test_progress_bar_on_a_terminal(capsys, model_dirs, text_file, monkeypatch):
+    """On a terminal the bar shows the windows and the perplexity so far on stderr, and is
+    gone at the end (transient); stdout holds the result alone."""
+    import io
+
+    from rich.console import Console
+
+    import twice.cli.console as console
+    import twice.cli.perplexity as cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(console, "err_console", lambda: Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr(cli, "_isatty", lambda stream: True)
+    r = ppl(capsys, text_file, "--model", model_dirs("llama"), "--context", 64, "--max-tokens", 200)
+    assert r.code == 0 and r.out.startswith("perplexity ") and len(r.out.splitlines()) == 2, r
+    drawn = screen.getvalue()
+    assert "windows" in drawn and "4/4" in drawn and "perplexity so far" in drawn, drawn
+    assert drawn.endswith("\x1b[?25h\r\x1b[1A\x1b[2K")  # the cursor given back, the bar's line erased
+
+
 def _unchanged(path: Path, before: bytes | None):
     if before is not None:
         assert path.read_bytes() == before
