@@ -129,7 +129,7 @@ def json_payload(result, loaded, text_file: Path, max_tokens, dtype_name: str, w
         "score_s": result.seconds,
         "tokens_per_second": result.tokens_per_second,
     }
-    if weights is not None:  # the weights' storage (types, bytes, bits per weight), where the model says
+    if weights is not None:  # the weights' storage (types, bytes, bits per weight)
         payload["weights"] = weights
     return payload
 

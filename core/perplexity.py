@@ -188,14 +188,11 @@ def _window_nll(model, seq: list[int], prefix: int, dtype, device) -> tuple[floa
         return float(total), int(targets.shape[0])
 
 
-def weight_summary(model) -> dict | None:
-    """The model's weight format summary (types, bytes, bits per weight) for the --json
-    object, where the engine provides one (issue 14's weight objects: core/qweight.py's
-    `weight_formats`); None before that exists."""
-    try:
-        from .qweight import weight_formats
-    except ImportError:
-        return None
+def weight_summary(model) -> dict:
+    """The model's weight storage (types, matrix bytes, bits per weight) for the --json
+    object: core/qweight.py's `weight_formats`, the one description of it."""
+    from .qweight import weight_formats
+
     return weight_formats(model)
 
 

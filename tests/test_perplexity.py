@@ -150,16 +150,15 @@ def test_window_arithmetic(capsys, model_dirs, tmp_path):
 def test_json_object(capsys, model_dirs, text_file, monkeypatch):
     import twice.core.perplexity as core
 
-    monkeypatch.setattr(core, "weight_summary", lambda model: None)
     got = ppl_json(capsys, text_file, "--model", model_dirs("qwen2"), "--max-tokens", 64)
     assert {"perplexity", "tokens", "windows", "context", "model"} <= got.keys()
     assert isinstance(got["perplexity"], float) and isinstance(got["tokens"], int)
     assert got["model"] == str(model_dirs("qwen2")) and got["model_type"] == "qwen2"
     assert (got["device"], got["dtype"]) == ("cpu", "float32") and got["score_s"] > 0
-    assert "weights" not in got  # the hook: only where the engine describes its weights
-    summary = {"types": {"Q4_K": 10}, "matrix_bytes": 1, "bits_per_weight": 4.5}
-    monkeypatch.setattr(core, "weight_summary", lambda model: summary)
-    assert ppl_json(capsys, text_file, "--model", model_dirs("qwen2"), "--max-tokens", 64)["weights"] == summary
+    # The weights' storage, as core/qweight.py describes it: a float model's matrices in F32.
+    assert set(got["weights"]["types"]) == {"F32"} and got["weights"]["bits_per_weight"] == 32
+    monkeypatch.setattr(core, "weight_summary", lambda model: None)  # a model that says nothing: no key
+    assert "weights" not in ppl_json(capsys, text_file, "--model", model_dirs("qwen2"), "--max-tokens", 64)
 
 
 def test_progress_bar_on_a_terminal(capsys, model_dirs, text_file, monkeypatch):
