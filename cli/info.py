@@ -18,13 +18,14 @@ def info(
     model: str = typer.Argument(None, help="Model folder, .gguf file or Hub id. Default: SmolLM2-135M-Instruct."),
     revision: o.Revision = None,
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
     as_json: bool = typer.Option(False, "--json", help="Print the facts as one JSON object."),
     no_color: o.NoColor = False,
 ):
     """Architecture, size, context length and KV cache cost of a model."""
     from twice.weights.inspect import describe
 
-    facts = describe(model, revision, dtype)
+    facts = describe(model, revision, dtype, dequantize)
     facts["dtype_reason"] = _dtype_reason(dtype)
     if as_json:
         print(json.dumps(facts))
@@ -40,7 +41,7 @@ def info(
         ("architecture", f"{facts['model_type']} ({facts['folder']})"),
         ("parameters", f"{facts['parameters']:,} ({human_count(facts['parameters'])})"),
         ("stored dtype", str(facts["stored_dtype"])),
-        ("weights", f"{human_bytes(facts['weight_bytes'])} in {facts['dtype']} ({facts['weight_bytes']:,} B)"),
+        ("weights", _weights(facts)),
         ("dtype", f"{facts['dtype']} ({facts['dtype_reason']})"),
         ("context length", f"{facts['context_length']:,} tokens"),
         ("layers / heads / kv heads / head dim",
@@ -58,6 +59,18 @@ def info(
     for k, v in rows:
         t.add_row(k, v)
     wide_console(stderr=False, min_width=INFO_WIDTH, no_color=no_color).print(t)
+
+
+def _weights(facts: dict) -> str:
+    """The weights' bytes and format: a GGUF run as stored names its block types (values per
+    type) and the bits per weight; a float model its dtype."""
+    size = f"{human_bytes(facts['weight_bytes'])} ({facts['weight_bytes']:,} B)"
+    fmt = facts["weight_format"]
+    if facts.get("source") is None:
+        return f"{size} in {facts['dtype']}"
+    total = sum(fmt["types"].values()) or 1
+    shares = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in fmt["types"].items())
+    return f"{size} as stored in {facts['source']}: {fmt['bits_per_weight']:.2f} bits per weight ({shares} of values)"
 
 
 def _dtype_reason(dtype: str) -> str:

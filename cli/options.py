@@ -165,9 +165,9 @@ def weights_choice(dequantize: bool, quantize: str | None) -> str | None:
         return "dequantize" if dequantize else None
     if dequantize:
         raise UsageError("--dequantize and --quantize exclude each other (--quantize starts from the float weights)")
-    from twice.core.quant.mixes import MIXTURES
+    from twice.weights.gguf_write import canonical_mixture
 
-    name = quantize.lower()
-    if name not in MIXTURES:
-        raise UsageError(f"--quantize {quantize!r} is not a known type; use one of {', '.join(MIXTURES)}")
-    return name
+    try:
+        return canonical_mixture(quantize)
+    except UsageError as e:
+        raise UsageError(str(e).replace("--type", "--quantize", 1)) from None

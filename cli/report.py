@@ -140,7 +140,7 @@ def timing_table(result, loaded) -> Table:
               f"one sequence of the model's {r.cache.context_length:,} tokens: per token × {r.cache.context_length:,}")
     where = "torch.cuda.max_memory_allocated" if r.device.startswith("cuda") else "peak process RSS"
     t.add_row("memory", "peak", human_bytes(r.peak_memory_bytes), where)
-    t.add_row("", "weights", human_bytes(r.weight_bytes), f"parameters × bytes per element, on {r.device} in {r.dtype}")
+    t.add_row("", "weights", human_bytes(r.weight_bytes), weights_words(r))
     why = getattr(loaded, "dtype_reason", "")
     t.add_row("", "device / dtype", f"{r.device} / {r.dtype}",
               "where the model ran, and its weights' dtype" + (f" ({why})" if why else ""))
@@ -169,3 +169,15 @@ def timing_table(result, loaded) -> Table:
         t.add_row("", "all-reduce", seconds(shard.stats.seconds),
                   f"{shard.stats.calls} all-reduces (2 per layer per forward pass), wall time{share}")
     return t
+
+
+def weights_words(r) -> str:
+    """How the weights are held: the float dtype, or the block types (share of the values)
+    and bits per weight of a model run as stored / quantized."""
+    fmt = getattr(r, "weight_format", None) or {}
+    types = fmt.get("types") or {}
+    if set(types) <= {"F32", "BF16", "F16"}:
+        return f"parameters × bytes per element, on {r.device} in {r.dtype}"
+    total = sum(types.values()) or 1
+    shares = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in types.items())
+    return f"stored blocks: {shares} of the matrices' values, {fmt['bits_per_weight']:.2f} bits per weight; norms in {r.dtype}"

@@ -25,6 +25,7 @@ from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchroni
 from .errors import DeviceError, PromptError, TwiceError
 from .fastpath import CompiledDecoder, bucketed
 from .native_decode import NativeDecoder
+from .qweight import weight_formats
 from .native_decode import supported as native_supported
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
@@ -132,6 +133,7 @@ class GenerationResult:
     compile_seconds: float = 0.0  # torch.compile time spent before this request (not in TTFT)
     decode_path: str = "eager"  # decode step: native (kernels/decode.c) | compiled | eager
     batch_invariant: bool = False  # a batch row's tokens are bit for bit its prompt's alone (Engine.batch_invariant)
+    weight_format: dict = field(default_factory=dict)  # qweight.weight_formats: types, bits per weight
 
     @property
     def generated_tokens(self) -> int:
@@ -185,6 +187,7 @@ class GenerationResult:
             },
             "peak_memory_bytes": self.peak_memory_bytes,
             "weight_bytes": self.weight_bytes,
+            "weights": self.weight_format,
             "device": self.device,
             "dtype": self.dtype,
         }
@@ -261,6 +264,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.context_length = self.config.max_position_embeddings
         self.weight_bytes = model.weight_bytes()
+        self.weight_format = weight_formats(model)
         self.cache: KVCache | None = None  # the session cache of `generate`
         self.cached_ids: list[int] = []  # the tokens whose keys/values it holds
 
@@ -634,4 +638,5 @@ class Engine:
             compile_seconds=row.compile_seconds,
             decode_path=self.decode_path if self._fast_ready(cache) else "eager",
             batch_invariant=self.batch_invariant and self._fast_ready(cache),
+            weight_format=self.weight_format,
         )

@@ -31,9 +31,11 @@ from .quant import Codec, codec
 # Rows dequantized at once in the float product: bounds the temporary to a few MiB per
 # call however large the matrix (a 150k-row vocabulary head would otherwise need ~1 GB).
 _DEQUANTIZE_ROWS = 2048
-# Up to this many activation rows, products go through the integer kernel (decode-sized
-# work: one read of the blocks for all rows); beyond, the float product (prefill).
-_KERNEL_ROWS = 8
+# Up to this many activation rows, products go through the integer kernel (int8 activations,
+# as llama.cpp multiplies: decode steps, chat turns, short prompts); beyond, the blocks are
+# dequantized tile by tile and multiplied in float, where the float matrix product's speed
+# pays for the dequantization (long prompts).
+KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
 
 def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
     """x [rows, n] @ part.T → [rows, part.rows] in x's dtype."""
-    if x.device.type == "cpu" and x.shape[0] <= _KERNEL_ROWS and p.codec.quantized:
+    if x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS and p.codec.quantized:
         y = _native('quant_matmul')(x.float().contiguous(), p.data, p.codec.ggml_type)
         if y is not None:
             return y.to(x.dtype)
@@ -174,6 +176,15 @@ class _Blocks(torch.nn.Module):
         parts = [Part(c, getattr(self, f"blocks{i}").shape[0], getattr(self, f"blocks{i}"))
                  for i, c in enumerate(self.codecs)]
         return BlockWeight(parts, self.in_features)
+
+    def store_rows(self, row: int, values: torch.Tensor) -> None:
+        """Quantize float rows [row, row + len(values)) into their part's blocks (--quantize)."""
+        from .quant import quantize
+
+        buffer, first = self.part_for_row(row)
+        part = self.codecs[int(buffer.removeprefix("blocks"))]
+        dest = getattr(self, buffer)[row - first: row - first + values.shape[0]]
+        dest.copy_(quantize(values.to(torch.float32).cpu().contiguous(), part.name).view(dest.shape).to(dest.device))
 
     def part_for_row(self, row: int) -> tuple[str, int]:
         """(buffer name, first row) of the part holding output row `row`."""

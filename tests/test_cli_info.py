@@ -16,7 +16,7 @@ FAMILIES = ["llama", "qwen3", "gpt2"]
 JSON_KEYS = {"name", "folder", "model_type", "parameters", "stored_dtype", "dtype", "weight_bytes", "context_length",
              "layers", "heads", "kv_heads", "head_dim", "hidden_size", "intermediate_size", "vocab_size", "rope",
              "sliding_window", "kv_bytes_per_token", "kv_bytes_full_context", "chat_template", "eos_token_ids",
-             "dtype_reason"}
+             "dtype_reason", "weight_format", "source"}
 
 
 def tensor_elements(path) -> int:
@@ -104,3 +104,22 @@ def test_info_without_a_chat_template_and_bad_input(capsys, model_dirs, tmp_path
         r = info(capsys, *args)
         assert r.code == code and r.out == ""
         assert r.err.startswith("twice: error: ") and r.err.count("\n") == 1 and message in r.err
+
+
+def test_info_of_a_gguf_run_as_stored(capsys, model_dirs, tmp_path):
+    """A GGUF is described from its header: the stored types, their bytes and bits per
+    weight; --dequantize describes its float copy instead."""
+    from clirun import run_inprocess
+    from twice.weights.gguf_file import read_gguf
+
+    path = tmp_path / "m.gguf"
+    assert run_inprocess(["quantize", str(model_dirs("llama")), str(path), "--type", "q8_0"], capsys).code == 0
+    facts = json.loads(info(capsys, str(path), "--json").out)
+    assert facts["source"] == str(path.resolve())
+    assert facts["weight_bytes"] == sum(t.n_bytes for t in read_gguf(path).tensors)
+    assert set(facts["weight_format"]["types"]) == {"Q8_0", "F32"}
+    assert 8.0 < facts["weight_format"]["bits_per_weight"] < 9.0
+    text = info(capsys, str(path)).out
+    assert "bits per weight" in text and "Q8_0" in text
+    floats = json.loads(info(capsys, str(path), "--dequantize", "--json").out)
+    assert floats["source"] is None and floats["weight_bytes"] == 4 * floats["parameters"]

@@ -72,7 +72,16 @@ def _prefill_logits(loaded, ids: list[int]) -> torch.Tensor:
         return loaded.model(torch.tensor([ids]), cache, all_logits=True)[0]
 
 
-PROMPT = list(range(5, 5 + 20))  # more rows than the integer kernel takes: the float product
+PROMPT = list(range(5, 5 + 20))
+
+
+@pytest.fixture(autouse=True)
+def _float_products(monkeypatch):
+    """Eager products in float (the dequantized blocks): the reference the as-stored model
+    must equal exactly. test_native_step_on_blocks compares the integer kernels against it."""
+    from twice.core import qweight
+
+    monkeypatch.setattr(qweight, "KERNEL_ROWS", 0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -115,15 +124,7 @@ def test_native_step_on_blocks(tmp_path, capsys, wide_dirs, family, kind):
         for c in caches:
             loaded.model(prompt, c)
         token = torch.tensor([[7], [11]])
-        # The reference: the eager layers with every product in float (dequantized blocks).
-        from twice.core import qweight
-
-        old = qweight._KERNEL_ROWS
-        qweight._KERNEL_ROWS = 0
-        try:
-            ref = loaded.model(token, caches[0])
-        finally:
-            qweight._KERNEL_ROWS = old
+        ref = loaded.model(token, caches[0])  # the eager layers, every product in float
         got = native(token, caches[1])
     assert caches[1].length == caches[0].length
     scale = ref.abs().max().item()
@@ -218,3 +219,28 @@ def test_quantized_vector_is_one_line(tmp_path, capsys, model_dirs):
     path = _gguf_with(tmp_path, model_dirs, capsys, q8_norm)
     line = one_error_line(run_inprocess(["generate", "hi", "--model", str(path), "-n", "2"], capsys))
     assert "blk.0.attn_norm.weight" in line and "Q8_0" in line
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_quantize_in_memory_equals_the_written_file(tmp_path, capsys, wide_dirs, kind):
+    """--quantize TYPE at load gives the blocks `twice quantize --type TYPE` writes: the same
+    types per matrix and the same logits, bit for bit."""
+    folder = wide_dirs("qwen2")
+    path = _quantized(tmp_path, capsys, folder, kind)
+    in_memory, from_file = load(str(folder), weights=kind), load(str(path))
+    assert weight_formats(in_memory.model) == weight_formats(from_file.model)
+    assert torch.equal(_prefill_logits(in_memory, PROMPT), _prefill_logits(from_file, PROMPT))
+
+
+def test_quantize_flag_cli(capsys, model_dirs):
+    folder = str(model_dirs("llama"))
+    r = run_inprocess(["generate", "hello", "--model", folder, "-n", "3", "--temperature", "0", "--quantize", "q4_0",
+                       "--json"], capsys)
+    assert r.code == 0, r
+    types = set(json.loads(r.out)["weights"]["types"])
+    assert "Q4_0" in types and types <= {"Q4_0", "Q8_0"}  # the head: Q6_K, or Q8_0 where 256 does not divide rows
+    line = one_error_line(run_inprocess(["generate", "hi", "--model", folder, "--quantize", "q9_x"], capsys))
+    assert "--quantize" in line and "q9_x" in line
+    line = one_error_line(run_inprocess(["generate", "hi", "--model", folder, "--quantize", "q8_0", "--dequantize"],
+                                        capsys))
+    assert "--dequantize" in line

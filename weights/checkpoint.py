@@ -313,6 +313,11 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     files = files if files is not None else checkpoint_files(folder)
     targets = model.targets()
     params = dict(model.named_parameters(remove_duplicate=False))
+    # Weights held as blocks (--quantize): a meta stand-in for the shape checks; store_rows quantizes.
+    modules = dict(model.named_modules())
+    blocks = {f"{name}.weight": m for name, m in modules.items() if hasattr(m, "store_rows")}
+    for name, m in blocks.items():
+        params[name] = torch.empty(m.weight.shape, device="meta")
     filled: dict[tuple[str, int], tuple[str, TensorFile]] = {}  # what filled each place, and from where
     unexpected: list[str] = []
     scratch = Scratch()
@@ -325,6 +330,13 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
                 continue
             if target.key in filled:  # a second tensor for the same place: it must say the same
                 _check_same(model, filled[target.key], (name, tf), target, params[target.param], scratch)
+                continue
+            if target.param in blocks:
+                tensor = _checked_read(tf, name, target, params[target.param], scratch)
+                if not all_finite(tensor):
+                    raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
+                blocks[target.param].store_rows(target.row, tensor.t() if target.transpose else tensor)
+                filled[target.key] = (name, tf)
                 continue
             _copy(tf, name, target, params[target.param], scratch)
             filled[target.key] = (name, tf)

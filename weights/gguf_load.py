@@ -135,6 +135,27 @@ class StoredTensors:
             dest.copy_(target[torch.from_numpy(np.ascontiguousarray(order))])
 
 
+def stored_formats(src: Path) -> dict:
+    """What a GGUF's tensors are stored as, from its header alone: values and tensors per
+    type, the tensor bytes, and the bits per weight over the matrices (`twice info`)."""
+    from twice.core.quant import BY_GGML_TYPE as types
+
+    values: dict[str, int] = {}
+    tensors: dict[str, int] = {}
+    matrix_values = matrix_bytes = total = 0
+    for t in _open_reader(src).tensors:
+        c = types.get(int(t.tensor_type))
+        name = c.name if c else getattr(t.tensor_type, "name", str(t.tensor_type))
+        values[name] = values.get(name, 0) + t.n_elements
+        tensors[name] = tensors.get(name, 0) + 1
+        total += t.n_bytes
+        if len(t.shape) == 2:
+            matrix_values += t.n_elements
+            matrix_bytes += t.n_bytes
+    return {"types": dict(sorted(values.items(), key=lambda kv: -kv[1])), "tensors": tensors,
+            "weight_bytes": total, "bits_per_weight": 8 * matrix_bytes / matrix_values if matrix_values else 0.0}
+
+
 def _type_id(type_name: str) -> int:
     from twice.core.quant import CODECS
 

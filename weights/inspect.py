@@ -7,27 +7,35 @@ from twice.core.errors import UsageError
 
 from .checkpoint import checkpoint_files, validate_header
 from .files import read_config, read_generation_config
+from .gguf_load import gguf_source, stored_formats
 from .resolve import resolve
 from .tokenizer import Tokenizer
 
 _STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
-def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") -> dict:
+def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", dequantize: bool = False) -> dict:
     # The dtype generation would use on this machine's CPU (info never touches a GPU).
     name = DTYPE_NAMES[cpu_auto_dtype()] if dtype == "auto" else dtype
     if name not in DTYPES:  # before resolving: a typo must not start a download
         raise UsageError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    folder = resolve(ref, revision)
+    folder = resolve(ref, revision, dequantize=dequantize)
     config = read_config(folder)
     generation = read_generation_config(folder, config)
     tokenizer = Tokenizer(folder)
-    stored = set()
-    for path in checkpoint_files(folder):
-        header = validate_header(path)
-        stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
     element = DTYPES[name].itemsize
     params = config.parameter_count()
+    gguf = gguf_source(folder)
+    if gguf is not None:  # run as stored: the file's types and bytes
+        formats = stored_formats(gguf)
+        stored = set(formats["types"])
+    else:
+        stored = set()
+        for path in checkpoint_files(folder):
+            header = validate_header(path)
+            stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        formats = {"types": {name: params}, "tensors": {}, "weight_bytes": params * element,
+                   "bits_per_weight": 8.0 * element}
     eos = list(generation.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
@@ -38,7 +46,9 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto") 
         "parameters": params,
         "stored_dtype": ", ".join(sorted(stored)),
         "dtype": name,
-        "weight_bytes": params * element,
+        "weight_bytes": formats["weight_bytes"],
+        "weight_format": formats,
+        "source": str(gguf) if gguf is not None else None,
         "context_length": config.max_position_embeddings,
         "layers": config.num_hidden_layers,
         "heads": config.num_attention_heads,

@@ -10,7 +10,7 @@ import torch
 
 from twice.core.config import ModelConfig
 from twice.core.device import DTYPE_NAMES, dtype_choice, resolve_device
-from twice.core.errors import DeviceError, TokenizerError
+from twice.core.errors import DeviceError, TokenizerError, UnsupportedModelError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
 from twice.core.parallel import SINGLE, Shard
@@ -64,17 +64,44 @@ def check_vocabulary(tokenizer: Tokenizer, config: ModelConfig, folder: Path) ->
             "the tokenizer does not belong to this model")
 
 
+def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str, int]]]:
+    """--quantize: the row groups of each matrix of `model` (on the meta device) in the types
+    llama.cpp's `mixture` gives their checkpoint tensors."""
+    from .gguf_write import memory_types
+
+    targets = model.targets()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shapes = {}
+    for hf, t in targets.items():
+        p = params.get(t.param)
+        if p is None or p.dim() != 2 or t.source is not None:
+            continue
+        rows = t.rows if t.rows is not None else p.shape[0]
+        shapes[hf] = (rows, p.shape[1])
+    if model.shard.active:
+        raise UnsupportedModelError("--quantize with tensor parallelism is not supported yet")
+    types = memory_types(model.config, mixture, shapes)
+    parts: dict[str, list[tuple[int, str, int]]] = {}
+    for hf, type_name in types.items():
+        t = targets[hf]
+        if hf.startswith("transformer.") or type_name == "F32":
+            continue
+        parts.setdefault(t.param, []).append((t.row, type_name, shapes[hf][0]))
+    return {p: [(kind, rows) for _, kind, rows in sorted(ps)] for p, ps in parts.items()}
+
+
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-         progress=None, shard: Shard = SINGLE, dequantize: bool = False) -> LoadedModel:
+         progress=None, shard: Shard = SINGLE, weights: str | None = None) -> LoadedModel:
     """Resolve `ref`, read its config and tokenizer, and load its weights (only this rank's
-    slices when `shard` splits the model across tensor-parallel ranks). A GGUF file runs
-    as stored (its quantized matrices stay in their blocks) unless `dequantize` asks for
-    the float copy."""
+    slices when `shard` splits the model across tensor-parallel ranks). `weights` says how
+    to hold them: None: as stored (a GGUF file's quantized matrices stay in their blocks);
+    "dequantize": a GGUF through its float copy; a mixture name ("q4_k_m"): quantized in
+    memory from the float weights while loading."""
     say = progress or (lambda message: None)
     t0 = time.perf_counter()
     dev = resolve_device(device)  # a bad --device/--dtype fails before any download
     dt, dtype_reason = dtype_choice(dtype, dev)
-    folder = resolve(ref, revision, progress, dequantize=dequantize)
+    folder = resolve(ref, revision, progress, dequantize=weights is not None)
     say("reading config")
     config = read_config(folder)
     generation = read_generation_config(folder, config)
@@ -89,7 +116,11 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     t2 = time.perf_counter()
     try:
         say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")
-        if stored is None:
+        if stored is None and weights not in (None, "dequantize"):
+            model = build_model(config, dev, dt, shard, layouts=lambda m: _mixture_layouts(m, weights))
+            say(f"quantizing the weights to {weights}")
+            load_into(model, folder, files)
+        elif stored is None:
             model = build_model(config, dev, dt, shard)
             say("copying weights")
             load_into(model, folder, files)
