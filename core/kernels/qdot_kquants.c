@@ -222,10 +222,13 @@ static inline __attribute__((always_inline)) void tile_kquant(const int T, const
         for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) { /* unrolled: g is a constant in every shift and shuffle */
-            const __m256i q = group_quants(T, blk, g, high), sg = group_scales(slo, shi, g);
+            __m256i q = group_quants(T, blk, g, high), sg = group_scales(slo, shi, g);
+            /* computed here, not all eight ahead of the products (which spills them at NR = 4) */
+            __asm__ volatile("" : "+x"(q), "+x"(sg));
             for (int r = 0; r < NR; r++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * xs + b * QKK + 32 * g));
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sg));
+                __asm__ volatile("" : "+x"(isum[r]));
             }
         }
         for (int r = 0; r < NR; r++) {
