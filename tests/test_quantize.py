@@ -328,6 +328,25 @@ def test_k_quantizers_work_a_chunk_at_a_time(monkeypatch):
     assert torch.equal(quant.quantize(big, "Q6_K"), whole)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_quantize_on_worker_threads_equals_one_thread(monkeypatch, name):
+    x = torch.randn(9, 1024)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = quant.quantize(x, name)
+        monkeypatch.setattr(quant, "_free_cores", lambda: 3)
+        monkeypatch.setattr(quant, "_MIN_PART_VALUES", 1024)
+        torch.set_num_threads(3)
+        assert torch.equal(quant.quantize(x, name), alone)  # in 3 parts of 3 rows
+        assert torch.get_num_threads() == 3
+        with pytest.raises(ValueError):
+            quant.quantize(torch.full((2, 1024), float("nan")), name)
+        assert torch.get_num_threads() == 3  # restored on the way out of a refusal too
+    finally:
+        torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("x, name, words", [
     (torch.ones(2, 100), "Q4_K", "100 values"),
     (torch.ones(2, 48), "Q8_0", "48 values"),

@@ -110,7 +110,7 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
 
 GROUP_MAX_EPS = f32(1e-15)
 # super-blocks per pass: keeps each (n, M) temporary within the caches
-_CHUNK = 4096
+_CHUNK = 2048
 
 
 def _columns(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -197,30 +197,37 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
 
 def make_qx_quants_rmse1(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """make_qx_quants(n, nmax, x, L, rmse_type=1, NULL) on x (n, M): (scale (M,), L (n, M) in
-    0..2*nmax-1). The symmetric fit x ~ scale * (L - nmax) weighted by x^2, over 19 grids."""
+    0..2*nmax-1). The symmetric fit x ~ scale * (L - nmax) weighted by x^2, over 19 grids
+    (levels rounded as in make_qkx2_quants, those of the winning grid recomputed at the end)."""
+    n = x.shape[0]
     zero = torch.zeros_like(x[0])
     amax, mx = first_absmax(x, 0)
     w = x * x
     wx = w * x
+    lf = torch.empty_like(x)
+    sums = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype)
 
     def fit(iscale):
-        l = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
-        lf = l.float()
-        return l, seqsum(wx * lf), seqsum((w * lf) * lf)
+        torch.mul(x, iscale, out=lf).round_().clamp_(-nmax, nmax - 1)
+        torch.mul(wx, lf, out=sums[:, 0])
+        torch.mul(w, lf, out=sums[:, 1]).mul_(lf)
+        return seqsum(sums)
 
-    l, sumlx, suml2 = fit(_div(f32(-nmax), mx))
-    L = l + nmax
+    iscale = _div(f32(-nmax), mx)
+    best_iscale = iscale
+    sumlx, suml2 = fit(iscale)
     scale = torch.where(suml2 != 0, sumlx / suml2, zero)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        c = f32(-(np.float32(nmax) + np.float32(0.1) * np.float32(step)))
-        l, sumlx, suml2 = fit(_div(c, mx))
+        iscale = _div(f32(-(np.float32(nmax) + np.float32(0.1) * np.float32(step))), mx)
+        sumlx, suml2 = fit(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = torch.where(better, l + nmax, L)
+        best_iscale = torch.where(better, iscale, best_iscale)
         scale = torch.where(better, sumlx / suml2, scale)
         best = torch.where(better, scale * sumlx, best)
+    L = nearest_int(best_iscale * x).clamp_(-nmax, nmax - 1) + nmax
     allzero = amax < GROUP_MAX_EPS
     return torch.where(allzero, zero, scale), torch.where(allzero, torch.zeros_like(L), L)
 
