@@ -321,6 +321,14 @@ def test_quantize_shapes_and_leading_dims():
     assert quant.quantize(x.to(torch.bfloat16), "Q8_0").shape == (2, 3, 544)
     assert quant.quantize(torch.zeros(0, 64), "Q4_0").shape == (0, 36)
 
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_K", "F16"])
+def test_quantize_works_a_part_at_a_time(monkeypatch, name):
+    x = torch.randn(5, 1024)
+    whole = quant.quantize(x, name)
+    monkeypatch.setattr(quant, "_MAX_PART_VALUES", 700)  # parts of 3, 2 or 700 blocks
+    assert torch.equal(quant.quantize(x, name), whole)
+
+
 def test_k_quantizers_work_a_chunk_at_a_time(monkeypatch):
     big = torch.randn(7, 256)
     whole = quant.quantize(big, "Q6_K")

@@ -145,6 +145,7 @@ def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
 
 # the least values a part of a tensor that quantize() hands to one worker thread holds
 _MIN_PART_VALUES = 1 << 17
+_MAX_PART_VALUES = 1 << 22
 _THREADS_LOCK = threading.Lock()
 
 
@@ -188,11 +189,15 @@ def _quantize_parts(c: Codec, blocks: torch.Tensor, threads: int) -> torch.Tenso
     if n == 0:
         return torch.empty((0, c.type_size), dtype=torch.uint8)
     workers = min(threads, _free_cores(), max(1, n * c.block_size // _MIN_PART_VALUES))
-    if workers <= 1:
+    # parts of at most _MAX_PART_VALUES values bound the temporaries (a few times a part's size)
+    n_parts = max(workers, -(-n * c.block_size // _MAX_PART_VALUES))
+    if n_parts <= 1:
         return c.quantize_blocks(blocks)
-    per = -(-n // workers)
+    per = -(-n // n_parts)
     parts = [blocks[i:i + per] for i in range(0, n, per)]
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="twice-quantize") as pool:
+    if workers <= 1:
+        return torch.cat([c.quantize_blocks(p) for p in parts])
+    with ThreadPoolExecutor(workers, thread_name_prefix="twice-quantize") as pool:
         return torch.cat(list(pool.map(c.quantize_blocks, parts)))
 
 
