@@ -493,7 +493,7 @@ def _keeps_float(p: TensorPlan) -> bool:
             or p.name in ("position_embd.weight", "rope_freqs.weight"))
 
 
-def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, folder: Path) -> Callable[[TensorPlan], str]:
+def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, where: Any) -> Callable[[TensorPlan], str]:
     """The type of each tensor: llama.cpp's mixture rules (core/quant/mixes.py), with its
     fallback for rows that are not whole 256-value blocks. Where not even the fallback's
     32-value blocks divide a row (llama.cpp would then write F16, or refuse a plain 32-value
@@ -516,7 +516,7 @@ def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, fold
             tried = [base] + [t for t in (mixes.FALLBACK.get(base),) if t]
             sizes = " or ".join(f"{t} ({quant.codec(t).block_size})" for t in tried)
             raise UnsupportedModelError(
-                f"{folder}: tensor {p.name} (rows of {n} values) cannot be stored as {mixture}: rows must be whole "
+                f"{where}: tensor {p.name} (rows of {n} values) cannot be stored as {mixture}: rows must be whole "
                 f"blocks of {sizes} values; choose f16, bf16 or f32 for this model")
         if not _can_quantize(kind):
             raise UnsupportedModelError(f"quantizing to {kind} (for --type {mixture}) is not available in this "
@@ -524,6 +524,27 @@ def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, fold
         return kind
 
     return choose
+
+
+def memory_types(config: ModelConfig, mixture: str, shapes: dict[str, tuple[int, int]],
+                 where: str = "--quantize") -> dict[str, str]:
+    """--quantize in memory: the type `twice quantize --type mixture` would write for each
+    matrix, by its checkpoint (Hugging Face) name and its (rows, row length) shape; matrices
+    that stay float (position embeddings) are "F32", and a tied head (the embedding) is left
+    out. The same rules, fallbacks and one-line refusals as the file."""
+    mixture = canonical_mixture(mixture)
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise UnsupportedModelError(f"{where}: model type {config.model_type!r} has no GGUF form")
+    tied = config.tie_word_embeddings
+    choose = _type_chooser(mixture, arch, config, tied, where)
+    types: dict[str, str] = {}
+    for hf, shape in shapes.items():
+        name = _gguf_name(hf, arch, config.num_hidden_layers)
+        if name is None or (name == "output.weight" and tied):
+            continue
+        types[hf] = choose(TensorPlan(name, tuple(int(d) for d in shape), "F32", lambda: None, source=hf))
+    return types
 
 
 def _can_quantize(type_name: str) -> bool:
@@ -619,7 +640,7 @@ def _add(writer, key: str, kind: str, value) -> None:
         raise ValueError(kind)
 
 
-__all__ = ["FILE_TYPES", "ARCHITECTURES", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
+__all__ = ["FILE_TYPES", "ARCHITECTURES", "memory_types", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
            "TwiceError"]
 
 
