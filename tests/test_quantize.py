@@ -473,7 +473,8 @@ def _user_cache() -> Path:
     return Path(base) / "twice"
 
 
-_QWEN = sorted(glob.glob(str(_user_cache() / "gguf" / "qwen2.5-coder-*-instruct-q4_k_m-*.gguf")))  # before conftest's cache
+# found at import, before conftest points TWICE_CACHE at a per-test folder
+_QWEN = sorted(glob.glob(str(_user_cache() / "gguf" / "qwen2.5-coder-*-instruct-q4_k_m-*.gguf")))
 
 
 @pytest.mark.skipif(not _QWEN, reason="the Qwen2.5-Coder Q4_K_M files are not in the user cache")

@@ -1,4 +1,6 @@
-"""GGUF block codecs: reference dequantizers from raw block bytes to float32.
+"""GGUF block codecs: reference dequantizers from raw block bytes to float32, and the
+quantizers back (`quantize`: llama.cpp's reference quantizers bit for bit; mixes.py: which type
+each tensor of a model gets in llama.cpp's mixtures).
 
 Each type stores a row of values as whole blocks of ``block_size`` values in
 ``type_size`` bytes (all multi-byte fields little-endian; "d" is a per-block
@@ -118,13 +120,14 @@ def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
     leading shape and ``codec.row_bytes(n)`` bytes in its last dimension. The bytes are those of
     llama.cpp's reference quantizers (``quantize_row_*_ref``, no importance matrix): for
     F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 equal to ``gguf.quants.quantize``, for the K types to the C
-    reference built without fused multiply-adds (see kquants).
+    reference built without fused multiply-adds (see kquants). For all-zero blocks holding a
+    -0.0 the sign of a zero d/m follows C where gguf's numpy differs (legacy.py).
 
     ValueError (one line) for a row that is not whole blocks, a NaN or infinite value, or values
     too large for the type (an fp16 scale, or an F16 value, that would be infinite).
     """
     c = codec(type_name)
-    if not isinstance(x, torch.Tensor) or not (x.is_floating_point()):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"values to quantize to {c.name} must be a float tensor, got {got}")
     if x.dim() == 0:

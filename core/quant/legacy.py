@@ -5,11 +5,12 @@ Reference dequantizers from block bytes to float32, in the order of operations o
 
 Quantizers from float32 blocks to block bytes, bit for bit those of llama.cpp's
 ``quantize_row_*_ref`` and of ``gguf.quants.quantize`` (its numpy port; the two differ only in
-the sign bit of a zero d or m in a block of zeros holding a -0.0, where this follows C): the scale from the block's absolute
-maximum (Q8_0, Q4_0, Q5_0: d = max / -8 or -16 with the sign of the value of largest magnitude,
-so that value lands on the end of the range) or from its range (Q4_1, Q5_1: d = (max - min) / 15
-or 31, m = min); each value truncated after adding the half step, clipped to the range. The float32
-d (not its fp16 rounding) divides the values, as in the reference.
+the sign bit of a zero d or m in a block of zeros holding a -0.0, where this follows C). The
+scale comes from the block's absolute maximum (Q8_0: d = amax / 127; Q4_0, Q5_0: d = max / -8
+or -16 with the sign of the value of largest magnitude, so that value lands on the end of the
+range) or from its range (Q4_1, Q5_1: d = (max - min) / 15 or 31, m = min); each value is
+truncated after adding the half step (Q8_0: rounded half away from zero) and clipped to the
+range. The float32 d (not its fp16 rounding) divides the values, as in the reference.
 """
 
 from __future__ import annotations
