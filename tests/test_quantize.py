@@ -4,9 +4,10 @@
   llama.cpp's quantize_row_*_ref), on rows with every edge a block can have.
 - Q2_K..Q6_K (gguf 0.19 has no quantizer for them): bit for bit llama.cpp's C reference, through
   the sha256 of its bytes on a fixed input (computed from ggml-quants.c built with
-  -ffp-contract=off) and, when a ggml source tree is at hand (TWICE_GGML_SRC, slow), against the
-  compiled C itself on fresh data; round trips within each type's error and clearly better than
-  a plain absmax quantizer of the same bits; the packed scales decode to what was packed.
+  -ffp-contract=off) and, when a ggml source tree (TWICE_GGML_SRC) or a built libggml-base.so
+  (TWICE_GGML_LIB, or llama-cpp-python's) is at hand (slow), against the C itself on fresh data;
+  round trips within each type's error and clearly better than a plain absmax quantizer of the
+  same bits; the packed scales decode to what was packed.
 - The mixtures' per-tensor types against the rules, and against the real Qwen2.5-Coder-0.5B
   Q4_K_M file's header when it is in the user cache.
 """
@@ -200,20 +201,36 @@ size_t ggml_type_size(int type) { abort(); }
 """
 
 
+def _ggml_library() -> Path | None:
+    """A built libggml-base.so exporting quantize_row_*_ref: TWICE_GGML_LIB, or llama-cpp-python's
+    where it is installed in this environment (located, not imported)."""
+    if os.environ.get("TWICE_GGML_LIB"):
+        return Path(os.environ["TWICE_GGML_LIB"])
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libggml-base.so"
+    return lib if lib.is_file() else None
+
+
 @pytest.fixture(scope="module")
 def c_reference(tmp_path_factory):
     src = _ggml_source()
-    if src is None:
-        pytest.skip("set TWICE_GGML_SRC to a ggml (or llama.cpp) source tree to compare with its C reference")
     cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("ggmlref")
-    (out / "stubs.c").write_text(_STUBS)
-    lib = out / "libggmlquants.so"
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fPIC", "-shared", f"-I{src / 'include'}", f"-I{src / 'src'}",
-                    f"-I{src / 'src' / 'ggml-cpu'}", str(src / "src" / "ggml-quants.c"), str(out / "stubs.c"),
-                    "-o", str(lib), "-lm"], check=True, capture_output=True)
+    if src is not None and cc is not None:
+        out = tmp_path_factory.mktemp("ggmlref")
+        (out / "stubs.c").write_text(_STUBS)
+        lib = out / "libggmlquants.so"
+        subprocess.run([cc, "-O2", "-ffp-contract=off", "-fPIC", "-shared", f"-I{src / 'include'}",
+                        f"-I{src / 'src'}", f"-I{src / 'src' / 'ggml-cpu'}", str(src / "src" / "ggml-quants.c"),
+                        str(out / "stubs.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    else:
+        lib = _ggml_library()
+        if lib is None:
+            pytest.skip("set TWICE_GGML_SRC to a ggml (or llama.cpp) source tree, or TWICE_GGML_LIB to a "
+                        "libggml-base.so, to compare with llama.cpp's C reference")
     so = ctypes.CDLL(str(lib))
 
     def run(x: np.ndarray, name: str) -> np.ndarray:
