@@ -35,9 +35,10 @@ def quantize_f16(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_bf16(x: torch.Tensor) -> torch.Tensor:
     """ggml_compute_fp32_to_bf16: round to nearest even on the bits; a NaN keeps its sign and top
-    bits and is made quiet (torch's own cast makes every NaN 0x7FC0)."""
-    n = x.contiguous().reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits and is made quiet (torch's own cast makes every NaN 0x7FC0). In int32 arithmetic, which
+    wraps as the C uint32 does; the top 16 bits are the result."""
+    n = x.contiguous().reshape(-1).view(torch.int32)
     nan = (n & 0x7FFFFFFF) > 0x7F800000
-    n = torch.where(nan, (n & 0xFFFF0000) | (64 << 16), n)
+    n = torch.where(nan, (n & -65536) | (64 << 16), n)
     n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
-    return n.to(torch.int32).to(torch.int16).view(torch.uint8).reshape(-1, 2)
+    return n.to(torch.int16).view(torch.uint8).reshape(-1, 2)
