@@ -444,16 +444,42 @@ def test_spm_through_converted_folder(tmp_path):
 # -- llama.cpp itself, where its Python package is installed ----------------------------------
 
 
-def test_spm_equals_llama_cpp(spm):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    path, ours, _, _ = spm
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    for text in CORPUS:
+def llama_cpp_vocab(path: Path):
+    """llama.cpp's tokenizer for the file, or None where the llama_cpp package is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+def assert_byte_level_equals_llama_cpp(path: Path, ours, texts: list[str]) -> None:
+    llm = llama_cpp_vocab(path)
+    for text in texts if llm is not None else ():
         ids = ours.encode(text).ids
         assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) == ids, text
-        # llama-cpp-python joins the pieces (control tokens are empty) and drops the prefix
-        # space after a leading BOS, as our decoder's Strip does
-        assert llm.detokenize(ids).decode("utf-8") == ours.decode(ids, skip_special_tokens=True), text
+        assert llm.detokenize(ids, special=True).decode("utf-8") == ours.decode(ids, skip_special_tokens=False), text
+
+
+@pytest.mark.parametrize("kind, flags", [
+    ("bpe", {}), ("unigram", {}),
+    ("bpe", {"tokenizer.ggml.add_space_prefix": False}),
+    ("unigram", {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True}),
+])
+def test_spm_equals_llama_cpp(tmp_path, kind, flags):
+    pytest.importorskip("llama_cpp")
+    path = write_gguf(tmp_path / "spm.gguf", spm_metadata(kind, **flags))
+    metadata = read_gguf(path).metadata
+    ours, _ = build_tokenizer(metadata, config_for(metadata), path)
+    llm = llama_cpp_vocab(path)
+    for text in CORPUS:
+        ids = ours.encode(text).ids
+        assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) == ids, text  # add_bos: the file's flags
+        if ids[:1] == [1] and flags.get("tokenizer.ggml.add_space_prefix", True):
+            # llama-cpp-python joins the pieces (control tokens are empty) and drops one
+            # space after a leading BOS (whatever the file's add_space_prefix), as our
+            # decoder's Strip does for a file that adds the prefix space
+            assert llm.detokenize(ids).decode("utf-8") == ours.decode(ids, skip_special_tokens=True), text
 
 
 # -- byte-level BPE: the pre-tokenizers of the files we run -----------------------------------
@@ -512,6 +538,7 @@ def test_byte_level_pre_tokenizers_equal_transformers(tmp_path, pre):
         assert ids == theirs.encode(text), text
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    assert_byte_level_equals_llama_cpp(path, ours, BYTE_LEVEL_CORPUS)
     if pre == "smollm":
         assert len(ours.encode("12345", add_special_tokens=False).ids) == 5
     # without the flag, llama.cpp's default for the name: BOS for llama3 vocabularies only
@@ -556,6 +583,7 @@ def test_real_byte_level_files_equal_transformers(name, monkeypatch):
         ids = ours.encode(text).ids
         assert ids == theirs.encode(text), text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False), text
+    assert_byte_level_equals_llama_cpp(path, ours, texts)
 
 
 # -- bad input --------------------------------------------------------------------------------
