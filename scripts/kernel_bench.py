@@ -58,7 +58,8 @@ def time_gemm(lib, dtype: torch.dtype, out: int, n: int, rows: int, threads: int
     return best
 
 
-def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, repeats: int = 5) -> tuple[float, float]:
+def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, repeats: int = 5,
+               clock=time.perf_counter) -> tuple[float, float]:
     """Best seconds per q_gemm call and per q_prepare call, weights (random block bytes:
     the speed does not depend on their values) cycling through copies of ≥ 256 MiB."""
     row_bytes = lib.q_row_bytes(ggml_type, n)
@@ -76,14 +77,14 @@ def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, r
         call(w)
     best = best_prepare = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         for w in ws:
             call(w)
-        best = min(best, (time.perf_counter() - t) / len(ws))
-        t = time.perf_counter()
+        best = min(best, (clock() - t) / len(ws))
+        t = clock()
         for _ in range(20):
             prepare()
-        best_prepare = min(best_prepare, (time.perf_counter() - t) / 20)
+        best_prepare = min(best_prepare, (clock() - t) / 20)
     return best, best_prepare
 
 
@@ -91,14 +92,20 @@ def quant_main(args, lib) -> None:
     from twice.core import quant
 
     shapes = [tuple(map(int, s.lower().split("x"))) for s in args.quant_shapes.split(",")]
-    print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)")
+    clock = time.perf_counter
+    if args.cpu_time:
+        if args.threads != 1:
+            sys.exit("--cpu-time measures the calling thread: use it with --threads 1")
+        clock = time.thread_time
+    print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)"
+          + (", thread CPU time" if args.cpu_time else ""))
     print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'prepare':>9} {'GB/s':>6} {'vs rows=1':>9}")
     for name in args.quant.split(","):
         c = quant.codec(name)
         for out, n in shapes:
             base = None
             for rows in map(int, args.rows.split(",")):
-                s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads)
+                s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads, clock=clock)
                 base = base or s
                 gbs = out * lib.q_row_bytes(c.ggml_type, n) / s / 1e9
                 print(f"{c.name:6} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {p * 1e6:>7.1f}us {gbs:>6.1f} "
@@ -112,6 +119,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
     p.add_argument("--quant-shapes", default="576x1536,896x4864")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --quant --threads 1: time the thread's CPU seconds (a busy shared machine)")
     args = p.parse_args()
     lib = kernels.library()
     if lib is None:

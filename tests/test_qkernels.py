@@ -177,6 +177,12 @@ def test_builds_for_older_cpus_compute_the_same(march, needs):
         data = _weights(name, 6, n, seed=80 + TYPES.index(name))
         x = _x(6, n, seed=80 + TYPES.index(name))
         assert torch.equal(kernels.dequantize_rows(data, c.ggml_type, n, lib=lib), quant.dequantize(data, name))
+        prepared = []
+        for build in (lib, kernels.library()):  # the activations quantize to the same bytes
+            buf = torch.empty(6 * build.q_act_bytes(c.ggml_type, n), dtype=torch.uint8)
+            build.q_prepare(c.ggml_type, x.data_ptr(), n, 6, buf.data_ptr())
+            prepared.append(buf)
+        assert torch.equal(*prepared), name
         theirs = kernels.quant_matmul(x, data, c.ggml_type, lib=lib)
         ours = kernels.quant_matmul(x, data, c.ggml_type)
         scale = x.abs() @ quant.dequantize(data, name).abs().T
@@ -219,3 +225,20 @@ def test_a_prepared_row_serves_its_whole_family():
     for family in (["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"], ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]):
         first = prepared(family[0])
         assert all(torch.equal(prepared(name), first) for name in family[1:])
+
+
+def test_results_land_at_their_stride_and_nowhere_else():
+    """q_gemm writes y[r·ldy + o] for o < out only: a caller's wider buffer keeps its other
+    columns (decode.c writes projections side by side)."""
+    lib = kernels.library()
+    for name in ("Q4_K", "Q5_0", "F16"):
+        c = quant.codec(name)
+        n = _n(name, 2)
+        data = _weights(name, 5, n, seed=9)
+        x = _x(6, n, seed=9)
+        xq = torch.empty(6 * lib.q_act_bytes(c.ggml_type, n), dtype=torch.uint8)
+        lib.q_prepare(c.ggml_type, x.data_ptr(), n, 6, xq.data_ptr())
+        y = torch.full((6, 12), 7.0)
+        lib.q_gemm(c.ggml_type, data.data_ptr(), 5, n, xq.data_ptr(), 6, y[:, 3:].data_ptr(), 12, 2)
+        assert torch.equal(y[:, 3:8], kernels.quant_matmul(x, data, c.ggml_type))
+        assert (y[:, :3] == 7).all() and (y[:, 8:] == 7).all()

@@ -43,10 +43,20 @@ int64_t q_act_bytes(int type, int64_t n) {
     return qd_round64(n + 4 * (n / QKK) + 2 * (n / 16));
 }
 
-/* x[0, len) → q[0, len) int8 with d = max|x|/127, q = nearest-even(x/d); returns d. */
-static float quantize_block(const float *x, int len, int8_t *q) {
+/* x[0, len) → q[0, len) int8 with d = max|x|/127, q = nearest-even(x·(1/d)), and the sum of
+ * each 16 quants in sums[len/16]; returns d. (The AVX2 path gives the same bytes.) */
+static float quantize_block(const float *x, int len, int8_t *q, int16_t *sums) {
+#ifdef __AVX2__
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < len; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), nosign));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
     float amax = 0.0f;
     for (int j = 0; j < len; j++) amax = fmaxf(amax, fabsf(x[j]));
+#endif
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
 #ifdef __AVX2__
     const __m256 vid = _mm256_set1_ps(id);
@@ -56,11 +66,22 @@ static float quantize_block(const float *x, int len, int8_t *q) {
             v[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), vid),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         /* packs interleave the 128-bit halves; the permute puts the 32 bytes back in order */
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + j), p);
+        /* sums of 8 bytes made unsigned (+128 each), then of 16 */
+        __m256i t = _mm256_sad_epu8(_mm256_xor_si256(p, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+        t = _mm256_add_epi64(t, _mm256_shuffle_epi32(t, 0x4e));
+        sums[j / 16] = (int16_t)(_mm256_extract_epi32(t, 0) - 2048);
+        sums[j / 16 + 1] = (int16_t)(_mm256_extract_epi32(t, 4) - 2048);
     }
 #else
     for (int j = 0; j < len; j++) q[j] = (int8_t)(int)nearbyintf(x[j] * id);
+    for (int i = 0; i < len / 16; i++) {
+        int t = 0;
+        for (int l = 0; l < 16; l++) t += q[16 * i + l];
+        sums[i] = (int16_t)t;
+    }
 #endif
     return d;
 }
@@ -76,9 +97,9 @@ static void prepare_row(int type, const float *x, int64_t n, uint8_t *out) {
         float *d = (float *)(out + n); /* {d, d·Σq} per block */
         int32_t *offsets = (int32_t *)(out + n + 8 * nb); /* {-8·Σq, -16·Σq}: Q4_0's, Q5_0's */
         for (int64_t b = 0; b < nb; b++) {
-            d[2 * b] = quantize_block(x + b * QK, QK, qs + b * QK);
-            int32_t s = 0;
-            for (int j = 0; j < QK; j++) s += qs[b * QK + j];
+            int16_t sums[2];
+            d[2 * b] = quantize_block(x + b * QK, QK, qs + b * QK, sums);
+            const int32_t s = sums[0] + sums[1];
             offsets[2 * b] = -8 * s;
             offsets[2 * b + 1] = -16 * s;
             d[2 * b + 1] = d[2 * b] * (float)s;
@@ -89,14 +110,7 @@ static void prepare_row(int type, const float *x, int64_t n, uint8_t *out) {
     const int64_t nb = n / QKK;
     float *d = (float *)(out + n);
     int16_t *bsums = (int16_t *)(out + n + 4 * nb);
-    for (int64_t b = 0; b < nb; b++) {
-        d[b] = quantize_block(x + b * QKK, QKK, qs + b * QKK);
-        for (int i = 0; i < 16; i++) {
-            int s = 0;
-            for (int l = 0; l < 16; l++) s += qs[b * QKK + 16 * i + l];
-            bsums[b * 16 + i] = (int16_t)s;
-        }
-    }
+    for (int64_t b = 0; b < nb; b++) d[b] = quantize_block(x + b * QKK, QKK, qs + b * QKK, bsums + 16 * b);
     memset(out + n + 36 * nb, 0, q_act_bytes(type, n) - (n + 36 * nb));
 }
 
