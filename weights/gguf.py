@@ -11,11 +11,13 @@ Three things llama.cpp changed on the way in are undone here:
 
 * quantized tensors are dequantized (to float32, then cast to the requested dtype);
 * the rows of q_proj and k_proj were permuted so that llama.cpp's RoPE can rotate adjacent
-  pairs; the inverse permutation restores Hugging Face's rotate-half layout;
+  pairs; the inverse permutation restores Hugging Face's rotate-half layout; GPT-2's Conv1D
+  matrices were transposed from [in, out] to [out, in]: they are transposed back (the
+  as-stored loader keeps the file's [out, in], the layout twice's linear layers hold);
 * the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
   the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
 
-Only what can be converted exactly is accepted: the llama, qwen2 and qwen3 architectures
+Only what can be converted exactly is accepted: the llama, qwen2, qwen3 and gpt2 architectures
 with the tokenizers gguf_tokenizer.py rebuilds. Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
@@ -44,9 +46,10 @@ from .gguf_file import GGUF_MAGIC, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 # GGUF architecture → the Hugging Face class its config names.
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "gpt2": "GPT2LMHeadModel"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -150,6 +153,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
         )
     if metadata.get(f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models (e.g. Mixtral) are not supported")
+    if arch == "gpt2":
+        return _gpt2_config(metadata, src)
 
     hidden = positive_int(metadata, f"{arch}.embedding_length", src)
     heads = positive_int(metadata, f"{arch}.attention.head_count", src)
@@ -170,11 +175,7 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     if head_dim % 2:
         raise WeightsError(f"{src}: head dimension {head_dim} must be even for rotary embeddings")
 
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    default_vocab = len(tokens) if isinstance(tokens, list) and tokens else None
-    if f"{arch}.vocab_size" not in metadata and default_vocab is None:
-        raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
-    vocab_size = positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
+    vocab_size = _vocab_size(metadata, arch, src)
     rope_theta = positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
 
     config = {
@@ -198,6 +199,56 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
     if scaling:
         config["rope_scaling"] = scaling
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+        value = token_id(metadata, gguf_key, vocab_size, src)
+        if value is not None:
+            config[key] = value
+    return config
+
+
+def _vocab_size(metadata: dict, arch: str, src: Path) -> int:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    default_vocab = len(tokens) if isinstance(tokens, list) and tokens else None
+    if f"{arch}.vocab_size" not in metadata and default_vocab is None:
+        raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
+    return positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
+
+
+def _gpt2_config(metadata: dict, src: Path) -> dict:
+    """config.json of a Hugging Face GPT-2 (GPT2LMHeadModel) from `gpt2.*` metadata, as
+    llama.cpp's convert_hf_to_gguf.py writes it (GPT2Model): learned positions (no RoPE
+    keys), LayerNorm with bias and its epsilon, the tanh-approximated GELU llama.cpp runs
+    (transformers' "gelu_new"), one key/value head per attention head. The sizes go under
+    the names both transformers' GPT2Config (through its attribute map) and twice read;
+    the MLP width, epsilon and activation under GPT-2's own (n_inner, layer_norm_epsilon,
+    activation_function)."""
+    hidden = positive_int(metadata, "gpt2.embedding_length", src)
+    heads = positive_int(metadata, "gpt2.attention.head_count", src)
+    kv_heads = _kv_heads(metadata, "gpt2.attention.head_count_kv", heads, src)
+    if kv_heads != heads:
+        raise UnsupportedModelError(f"{src}: gpt2 with {kv_heads} key/value heads for {heads} attention heads "
+                                    "(grouped-query attention) is not supported")
+    if hidden % heads:
+        raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
+    for key in ("key_length", "value_length"):
+        if metadata.get(f"gpt2.attention.{key}", hidden // heads) != hidden // heads:
+            raise UnsupportedModelError(f"{src}: gpt2 attention {key} {metadata[f'gpt2.attention.{key}']!r} is not "
+                                        f"embedding_length / head_count ({hidden // heads}), which GPT-2 cannot express")
+    vocab_size = _vocab_size(metadata, "gpt2", src)
+    config = {
+        "architectures": [_HF_ARCHITECTURES["gpt2"]],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": positive_int(metadata, "gpt2.block_count", src),
+        "num_attention_heads": heads,
+        "max_position_embeddings": positive_int(metadata, "gpt2.context_length", src),
+        "n_inner": positive_int(metadata, "gpt2.feed_forward_length", src),
+        "layer_norm_epsilon": positive_float(metadata, "gpt2.attention.layer_norm_epsilon", src),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
+    }
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
         value = token_id(metadata, gguf_key, vocab_size, src)
@@ -307,6 +358,25 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# GPT-2 (llama.cpp's gpt2 architecture) under transformers' GPT2LMHeadModel names.
+_GPT2_GLOBAL_TENSORS = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+_GPT2_LAYER_TENSORS = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+# GPT-2's Conv1D weights: [in, out] in the checkpoint, [out, in] in the GGUF (convert_hf_to_gguf
+# transposes them), which is the layout twice's linear layers hold.
+_GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that are not weights of the HF model (read into the config instead).
 _CONSUMED_TENSORS = ("rope_freqs.weight",)
@@ -314,18 +384,27 @@ _CONSUMED_TENSORS = ("rope_freqs.weight",)
 
 @dataclass(frozen=True)
 class _TensorJob:
-    """One tensor to write: where it comes from, its HF name and shape, and the head count
-    its rows were permuted with (0 when they were not)."""
+    """One tensor to write: where it comes from, its HF name and shape, the head count its
+    rows were permuted with (0 when they were not), and whether the checkpoint holds it
+    transposed (GPT-2's Conv1D [in, out]; the file holds [out, in], `stored_shape`)."""
 
     tensor: Any  # gguf_file.GGUFTensor
     name: str
     shape: tuple[int, ...]
     unpermute_heads: int = 0
+    transpose: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape as the file stores it, rows first: [out, in] for every matrix."""
+        return self.shape[::-1] if self.transpose else self.shape
 
 
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF name -> shape, for every weight a model of this config has (lm_head included):
-    qwen2 adds q/k/v biases, qwen3 q/k norms over each head."""
+    qwen2 adds q/k/v biases, qwen3 q/k norms over each head; gpt2 has its own."""
+    if config["model_type"] == "gpt2":
+        return _gpt2_expected_shapes(config)
     h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     q = config["num_attention_heads"] * config["head_dim"]
     kv = config["num_key_value_heads"] * config["head_dim"]
@@ -347,12 +426,34 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _hf_name(gguf_name: str, layers: int) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+def _gpt2_expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """GPT2LMHeadModel's weights in its checkpoint layout (Conv1D matrices [in, out]), in
+    the order transformers saves them; biases everywhere, LayerNorms with bias."""
+    h, v, i = config["hidden_size"], config["vocab_size"], config["n_inner"]
+    shapes = {"transformer.wte.weight": (v, h), "transformer.wpe.weight": (config["max_position_embeddings"], h)}
+    per_layer = {
+        "ln_1.weight": (h,), "ln_1.bias": (h,),
+        "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
+        "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,),
+        "ln_2.weight": (h,), "ln_2.bias": (h,),
+        "mlp.c_fc.weight": (h, i), "mlp.c_fc.bias": (i,),
+        "mlp.c_proj.weight": (i, h), "mlp.c_proj.bias": (h,),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        for leaf, shape in per_layer.items():
+            shapes[f"transformer.h.{layer}.{leaf}"] = shape
+    shapes.update({"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,), "lm_head.weight": (v, h)})
+    return shapes
+
+
+def _hf_name(gguf_name: str, layers: int, arch: str = "llama") -> str | None:
+    glob, table, prefix = ((_GPT2_GLOBAL_TENSORS, _GPT2_LAYER_TENSORS, "transformer.h") if arch == "gpt2"
+                           else (_GLOBAL_TENSORS, _LAYER_TENSORS, "model.layers"))
+    if gguf_name in glob:
+        return glob[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and int(match[1]) < layers and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{int(match[1])}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    if match and int(match[1]) < layers and match[2] in table:
+        return f"{prefix}.{int(match[1])}.{table[match[2]]}.{match[3]}"
     return None
 
 
@@ -367,7 +468,7 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED_TENSORS:
             continue
-        name = _hf_name(tensor.name, config["num_hidden_layers"])
+        name = _hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
         if name is None:
             raise UnsupportedModelError(
                 f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model (experts and "
@@ -376,10 +477,12 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         if name not in expected:
             raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model")
-        if shape != expected[name]:
-            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(expected[name])}")
+        transpose = config["model_type"] == "gpt2" and name.endswith(_GPT2_CONV1D)
+        want = expected[name][::-1] if transpose else expected[name]
+        if shape != want:
+            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(want)}")
         _check_quantization(tensor, src) if dequantized else _check_stored_type(tensor, shape, src)
-        found[name] = _TensorJob(tensor, name, shape, _permuted_heads(tensor.name, config))
+        found[name] = _TensorJob(tensor, name, expected[name], _permuted_heads(tensor.name, config), transpose)
 
     config["tie_word_embeddings"] = "lm_head.weight" not in found
     missing = [n for n in expected if n not in found and n != "lm_head.weight"]
@@ -455,16 +558,19 @@ def _unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _load_weight(job: _TensorJob, src: Path) -> np.ndarray:
-    """One tensor as float32 in HF layout (a fresh array or a read-only view of the file)."""
+def _load_weight(job: _TensorJob, src: Path, hf_layout: bool = True) -> np.ndarray:
+    """One tensor as float32 in HF layout (a fresh array or a read-only view of the file);
+    with `hf_layout` false, a transposed job (GPT-2's Conv1D) stays in the file's [out, in]."""
     import gguf
 
     with _reading(src):
         weight = gguf.quants.dequantize(job.tensor.data, job.tensor.tensor_type)
         # asarray also turns a big-endian file's data into native float32
-        weight = np.asarray(weight, dtype=np.float32).reshape(job.shape)
+        weight = np.asarray(weight, dtype=np.float32).reshape(job.stored_shape)
     if job.unpermute_heads:
         weight = _unpermute_rows(weight, job.unpermute_heads)
+    if job.transpose and hf_layout:
+        weight = weight.T
     return weight
 
 

@@ -8,7 +8,9 @@ plan the float conversion uses (gguf.py: names, shapes, llama's q/k row order), 
   it: its block bytes are read straight into the model's block buffers (twice.core.qweight),
   row groups of a fused q/k/v or gate/up keeping each their own type; the rows llama.cpp
   permuted for its RoPE are put back in Hugging Face's order (whole rows: a block never
-  spans two rows);
+  spans two rows); GPT-2's Conv1D matrices, which its checkpoints hold [in, out] (their
+  targets say `transpose`), are already [out, in] in the file (llama.cpp transposed them):
+  exactly the layout the linear layers hold, so they are read as they are;
 * vectors (norms, biases) and float matrices already in the model's dtype are read into
   ordinary parameters.
 
@@ -70,13 +72,15 @@ class StoredTensors:
 
     def layouts(self, model: CausalLM, dtype: torch.dtype) -> dict[str, list[tuple[str, int]]]:
         """Which weights of `model` (built on the meta device) are stored as blocks, and in
-        which row groups: every matrix whose file type is not already the model's dtype."""
+        which row groups: every matrix whose file type is not already the model's dtype.
+        A target marked `transpose` (GPT-2's Conv1D) is one too: a GGUF matrix is always
+        stored [out, in], as the layer holds it."""
         targets = model.targets()
         params = dict(model.named_parameters(remove_duplicate=False))
         parts: dict[str, list[tuple[int, str, int]]] = {}
         for name, job in self.jobs.items():
             target = targets[name]
-            if len(job.shape) != 2 or target.transpose:
+            if len(job.shape) != 2:
                 continue
             rows = target.rows if target.rows is not None else params[target.param].shape[0]
             parts.setdefault(target.param, []).append((target.row, BY_GGML_TYPE[int(job.tensor.tensor_type)].name,
@@ -101,7 +105,7 @@ class StoredTensors:
                 module = modules.get(target.param.removesuffix(".weight"))
                 if hasattr(module, "part_for_row"):  # stored as blocks
                     buffer, first = module.part_for_row(target.row)
-                    rows = job.shape[0]
+                    rows = job.stored_shape[0]
                     dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
                     self._read_blocks(fd, job, dest)
                     continue
@@ -111,7 +115,7 @@ class StoredTensors:
                         and not job.unpermute_heads and len(job.shape) == 2:
                     self._read_blocks(fd, job, dest.view(torch.uint8).view(dest.shape[0], -1))
                     continue
-                weight = torch.from_numpy(np.array(_load_weight(job, self.src), dtype=np.float32))
+                weight = torch.from_numpy(np.array(_load_weight(job, self.src, hf_layout=False), dtype=np.float32))
                 if not bool(torch.isfinite(weight).all()):
                     raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
                 dest.copy_(weight)
