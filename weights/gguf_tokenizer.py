@@ -278,14 +278,21 @@ def merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, 
     token id), so that both rebuild the same pipeline. llama.cpp breaks a tie between equal
     scores by position in the text instead, which no ranked list can express; real
     vocabularies give the tokens that merges make distinct scores."""
-    found: list[tuple[float, str, str]] = []
+    found: list[tuple[float, int, int, str, str]] = []
     for token, score in zip(tokens, scores):
-        local = [(token[:cut], token[cut:]) for cut in range(1, len(token))
-                 if token[:cut] in vocab and token[cut:] in vocab]
-        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        found.extend((score, left, right) for left, right in local)
-    found.sort(key=lambda merge: (merge[0], len(merge[1]), len(merge[2])), reverse=True)
-    return [(left, right) for _, left, right in found]
+        local = []
+        for cut in range(1, len(token)):
+            left = token[:cut]
+            if left in vocab:
+                right = token[cut:]
+                if right in vocab:
+                    local.append((vocab[left], vocab[right], left, right))
+        if len(local) > 1:
+            local.sort()  # by the ids of the two parts
+        found.extend((score, len(left), len(right), left, right) for _, _, left, right in local)
+    # a stable sort on the key alone (not on the strings) keeps the order above within ties
+    found.sort(key=lambda merge: merge[:3], reverse=True)
+    return [(left, right) for *_, left, right in found]
 
 
 # -- byte-level BPE ("gpt2") ----------------------------------------------------------------
