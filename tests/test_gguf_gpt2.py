@@ -143,7 +143,8 @@ def test_convert_writes_a_gpt2_folder(tmp_path, capsys, model_dirs, files, token
     r = run_inprocess(["convert", str(files("f32")), str(out)], capsys)
     assert r.code == 0, r
     original, back = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert set(back) == {k if k.startswith("transformer.") else f"transformer.{k}" for k in original} - {"lm_head.weight"}
+    names = {k if k.startswith("transformer.") else f"transformer.{k}" for k in original}
+    assert set(back) == names - {"lm_head.weight"}  # tied: the head is the embedding
     for name, value in back.items():
         torch.testing.assert_close(value, original.get(name, original.get(name.removeprefix("transformer."))),
                                    rtol=0, atol=0, msg=name)
@@ -265,6 +266,23 @@ def test_generate_runs_the_file(capsys, files):
     assert got["model_type"] == "gpt2" and got["generated_tokens"] == 6
     assert got["token_ids"] == want["token_ids"]
     assert "Q4_0" in got["weights"]["types"] and set(want["weights"]["types"]) == {"F32"}
+
+
+def test_quantize_in_memory_and_from_a_gguf(tmp_path, capsys, model_dirs, files, tokenizer):
+    """`--quantize q8_0` of the gpt2 folder is the q8_0 file bit for bit (types and logits);
+    `twice quantize` of the f32 gpt2 GGUF (through its float copy) writes the same tensors
+    as quantizing the folder."""
+    in_memory = load(str(model_dirs("gpt2")), weights="q8_0", device="cpu", dtype="float32")
+    from_file = load(str(files("q8_0")), device="cpu", dtype="float32")
+    assert weight_formats(in_memory.model) == weight_formats(from_file.model)
+    ids = _ids(tokenizer)
+    assert torch.equal(_logits(in_memory, ids), _logits(from_file, ids))
+    again = tmp_path / "from-gguf.gguf"
+    r = run_inprocess(["quantize", str(files("f32")), str(again), "--type", "q8_0"], capsys)
+    assert r.code == 0, r
+    a = {t.name: (t.tensor_type, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(again)).tensors}
+    b = {t.name: (t.tensor_type, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(files("q8_0"))).tensors}
+    assert a == b
 
 
 # -- bad input ------------------------------------------------------------------------------
