@@ -33,6 +33,7 @@ from .cudagraph import CapturedSteps
 from .device import synchronize
 from .gpt2 import GPT2Model
 from .model import CausalLM
+from .qweight import BlockWeight, product
 
 NATIVE = False  # set by CompiledDecoder: the native gemv kernel was built and loads
 CAPACITY_BUCKET = 256
@@ -49,6 +50,8 @@ def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     the native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else
     one fused inductor reduction."""
     w = linear.weight
+    if isinstance(w, BlockWeight):  # blocks: the weight's own product (dequantized tiles, or the int8 kernel)
+        return product(x, w, linear.bias)
     if w.device.type != "cpu" or x.shape[0] != 1:
         return torch.nn.functional.linear(x, w, linear.bias)
     out, inn = w.shape
@@ -61,6 +64,13 @@ def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     if linear.bias is not None:
         y = y + linear.bias.float()
     return y.to(x.dtype)
+
+
+class _BlockHead:
+    """The head as gemv() reads a linear layer: a block-stored weight and no bias."""
+
+    def __init__(self, weight: BlockWeight):
+        self.weight, self.bias = weight, None
 
 
 def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
@@ -129,8 +139,12 @@ class CompiledDecoder:
         self.block = torch.compile(block_fn, fullgraph=True, dynamic=dynamic)
         self.head = torch.compile(_head, fullgraph=True, dynamic=dynamic)
         # The head reads the (possibly tied) output matrix through a Linear-shaped view.
-        self.head_linear = torch.nn.Linear(1, 1, bias=False, device="meta")
-        self.head_linear.weight = torch.nn.Parameter(model.lm_head_weight, requires_grad=False)
+        head = model.lm_head_weight
+        if isinstance(head, BlockWeight):  # a tied block-stored head: its embedding module serves
+            self.head_linear = _BlockHead(head)
+        else:
+            self.head_linear = torch.nn.Linear(1, 1, bias=False, device="meta")
+            self.head_linear.weight = torch.nn.Parameter(head, requires_grad=False)
         self.graphs = None if self.cpu else CapturedSteps(self.run)
         self.warm: set[tuple] = set()
         self.compile_seconds = 0.0

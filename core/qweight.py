@@ -114,15 +114,10 @@ def _dequantize(p: Part, start: int, stop: int, n: int) -> torch.Tensor:
     (bit-exact with the reference), else core/quant's torch reference."""
     data = p.data[start:stop]
     if data.device.type == "cpu":
-        got = _native('dequantize_rows')(data.contiguous(), p.codec.ggml_type, n)
+        got = kernels.dequantize_rows(data.contiguous(), p.codec.ggml_type, n)
         if got is not None:
             return got
     return _reference_dequantize(data, p.codec)
-
-
-def _native(name: str):
-    """A native kernel wrapper (None results where the kernels did not build)."""
-    return getattr(kernels, name, lambda *a: None)
 
 
 def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
@@ -132,10 +127,9 @@ def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
 
 def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
     """x [rows, n] @ part.T → [rows, part.rows] in x's dtype."""
-    if x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS and p.codec.quantized:
-        y = _native('quant_matmul')(x.float().contiguous(), p.data, p.codec.ggml_type)
-        if y is not None:
-            return y.to(x.dtype)
+    if x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS and p.codec.quantized and kernels.available():
+        # Through the torch op: compiled graphs (fastpath.py) trace it like any other op.
+        return torch.ops.twice.quant_matmul(x.float().contiguous(), p.data, p.codec.ggml_type).to(x.dtype)
     if p.rows <= _DEQUANTIZE_ROWS:
         return F.linear(x, _dequantize(p, 0, p.rows, n).to(x.dtype))
     y = torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device)

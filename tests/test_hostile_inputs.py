@@ -500,7 +500,7 @@ def cut_in_the_header(path):
 
 def unsupported_quantization(path):
     write_small_gguf(path, qtype=gguf.GGMLQuantizationType.Q8_1)
-    return "uses quantization type Q8_1, which cannot be dequantized"
+    return "type Q8_1"  # convert: "uses quantization type Q8_1, which cannot be dequantized"; as stored: "has type Q8_1, which twice cannot run"
 
 
 def unsupported_architecture(path):
@@ -760,13 +760,13 @@ def test_converted_model_folder_is_atomic_and_ignores_links(tmp_path, monkeypatc
 
 def test_cache_entries_of_another_user_are_not_loaded(tmp_path, monkeypatch, capsys):
     from twice.weights.paths import models_dir
-    from twice.weights.resolve import converted_gguf
+    from twice.weights.resolve import described_gguf
 
     if os.getuid() != 0:
         pytest.skip("needs root to give a folder to another user")
     monkeypatch.setenv("TWICE_CACHE", str(tmp_path / "cache"))
     src = write_small_gguf(tmp_path / "m.gguf")
-    folder = converted_gguf(src)
+    folder = described_gguf(src)  # the folder a GGUF runs from (as stored)
     assert folder.parent == models_dir()
     os.chown(folder, 12345, 12345)  # as if another user had put a model there
     line = one_error_line(generate(capsys, src))

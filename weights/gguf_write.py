@@ -643,21 +643,3 @@ def _add(writer, key: str, kind: str, value) -> None:
 __all__ = ["FILE_TYPES", "ARCHITECTURES", "memory_types", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
            "TwiceError"]
 
-
-def memory_types(config: ModelConfig, mixture: str, params: dict[str, tuple[int, ...]]) -> dict[str, str]:
-    """`--quantize MIXTURE` in memory: the type llama.cpp's mixture gives each checkpoint
-    matrix (Hugging Face name → type name), by the same rules `twice quantize` writes with.
-    `params`: checkpoint name → shape (rows first), of the matrices that may be quantized."""
-    mixture = canonical_mixture(mixture)
-    arch = ARCHITECTURES.get(config.model_type)
-    if arch is None:
-        raise UnsupportedModelError(f"model type {config.model_type!r} has no GGUF mixture rules")
-    tied = config.tie_word_embeddings
-    choose = _type_chooser(mixture, arch, config, tied, Path(f"--quantize {mixture}"))
-    out: dict[str, str] = {}
-    for hf, shape in params.items():
-        name = _gguf_name(hf, arch, config.num_hidden_layers)
-        if name is None or (name == "output.weight" and tied):
-            continue
-        out[hf] = choose(TensorPlan(name, tuple(shape), "F32", lambda: None, source=hf))
-    return out

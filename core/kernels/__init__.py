@@ -299,3 +299,15 @@ def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None) -> 
     if data.shape[0]:
         lib.q_dequantize(int(ggml_type), data.data_ptr(), data.shape[0], n, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+@torch.library.custom_op("twice::quant_matmul", mutates_args=())
+def quant_matmul_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """quant_matmul as a torch op, so that compiled graphs (fastpath.py) call the integer
+    kernel like any other op (a ctypes call cannot be traced). Only where available()."""
+    return quant_matmul(x, data, ggml_type)
+
+
+@quant_matmul_op.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], data.shape[0], dtype=torch.float32, device=x.device)
