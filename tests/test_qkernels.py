@@ -222,9 +222,11 @@ def test_a_prepared_row_serves_its_whole_family():
         lib.q_prepare(t, x.data_ptr(), 512, 3, buf.data_ptr())
         return buf
 
-    for family in (["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"], ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]):
+    for kind, family in ((1, ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]), (2, ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])):
         first = prepared(family[0])
         assert all(torch.equal(prepared(name), first) for name in family[1:])
+        assert {lib.q_act_family(quant.codec(name).ggml_type) for name in family} == {kind}
+    assert [lib.q_act_family(t) for t in (0, 1, 30, 99, 9)] == [0, 0, 0, -1, -1]
 
 
 def test_results_land_at_their_stride_and_nowhere_else():

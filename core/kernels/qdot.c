@@ -1,6 +1,7 @@
 /* Quantized weights on the CPU: the GGUF blocks are read as stored (no float copy).
  *
  *   q_row_bytes / q_act_bytes   sizes of a weight row and of a prepared activation row
+ *   q_act_family                which types share a prepared row
  *   q_prepare                   float32 activations → int8 blocks (once per product)
  *   q_gemm                      y = W x for 1..any activation rows (integer block dot products)
  *   q_gemm_reference            the same with the portable scalar code (for the tests)
@@ -41,6 +42,14 @@ int64_t q_act_bytes(int type, int64_t n) {
     if (is_float(type)) return 4 * n;
     if (is_legacy(type)) return qd_round64(n + 16 * (n / QK));
     return qd_round64(n + 4 * (n / QKK) + 2 * (n / 16));
+}
+
+/* Which prepared layout a type's activations take: 0 float32 values (F32/F16/BF16), 1 the
+ * 32-value int8 blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0), 2 the 256-value ones (Q2_K..Q6_K); -1 for
+ * an unknown type. Types of one family read the same prepared bytes, so matrices that share an
+ * input need one q_prepare per family, not one per type. */
+int q_act_family(int type) {
+    return is_float(type) ? 0 : is_legacy(type) ? 1 : is_kquant(type) ? 2 : -1;
 }
 
 /* x[0, len) → q[0, len) int8 with d = max|x|/127, q = nearest-even(x·(1/d)), and the sum of

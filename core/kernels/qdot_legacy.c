@@ -91,12 +91,12 @@ static inline __m256i nibbles32(const uint8_t *p) {
 
 /* 32 bits → 32 bytes, byte j = 0x10 where bit j is set (the 5th bit of value j). */
 static inline __m256i bits32_to_0x10(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
+    float f; /* broadcast straight from memory: a load, no integer-to-vector move */
+    memcpy(&f, p, 4);
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf);
-    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_castps_si256(_mm256_set1_ps(f)), shuf), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(0x10));
 }
 
 /* Per block and row: the integer dot product (plus Q4_0/Q5_0's integer offset) as 8 int32
