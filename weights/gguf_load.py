@@ -61,11 +61,13 @@ class StoredTensors:
 
     def __init__(self, src: Path):
         self.src = src
-        self.reader = _open_reader(src)
+        reader = _open_reader(src)
         with _reading(src):
-            config = _model_config(self.reader.metadata, src, _find_tensor(self.reader, "rope_freqs.weight"))
-            self.jobs: dict[str, _TensorJob] = {j.name: j for j in _plan_tensors(self.reader, config, src,
+            config = _model_config(reader.metadata, src, _find_tensor(reader, "rope_freqs.weight"))
+            self.jobs: dict[str, _TensorJob] = {j.name: j for j in _plan_tensors(reader, config, src,
                                                                                   dequantized=False)}
+        # Only the tensor table is kept: the metadata (a vocabulary of 150k strings and as many
+        # merges: tens of MB) was the tokenizer's, which the header folder already holds.
 
     def tensor_bytes(self) -> int:
         return sum(j.tensor.n_bytes for j in self.jobs.values())
