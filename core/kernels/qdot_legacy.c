@@ -211,20 +211,69 @@ qtile_fn twq_legacy_tile(int type, int reference) {
 
 /* One row of n values → float32, in the reference's order of operations (core/quant/legacy.py:
  * Q8_0 q·d, Q4_0/Q5_0 d·(q - off), Q4_1/Q5_1 (d·q) + m, each product rounded). */
+#ifdef __AVX2__
+/* 8 quants (int32 lanes) → d·q, or (d·q) + m with the product rounded first (NOFUSE), as the
+ * reference computes them. */
+static inline void dq8(__m256i q, __m256 d, __m256 m, int has_min, float *o) {
+    __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+    if (has_min) {
+        NOFUSE(t);
+        t = _mm256_add_ps(t, m);
+    }
+    _mm256_storeu_ps(o, t);
+}
+
+/* One block of a 32-value type → 32 floats, vectorized; the same values as the scalar loop. */
+static void dequantize_block_avx2(int type, const uint8_t *b, float *o) {
+    const __m256 d = _mm256_set1_ps(qd_f16(b));
+    if (type == QT_Q8_0) {
+        for (int j = 0; j < QK; j += 8)
+            dq8(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + j))), d, d, 0, o + j);
+        return;
+    }
+    const int has_min = type == QT_Q4_1 || type == QT_Q5_1;
+    const __m256 m = _mm256_set1_ps(has_min ? qd_f16(b + 2) : 0.0f);
+    uint32_t qh = 0;
+    const uint8_t *qs = b + (type == QT_Q4_0 ? 2 : type == QT_Q4_1 ? 4 : type == QT_Q5_0 ? 6 : 8);
+    if (type == QT_Q5_0 || type == QT_Q5_1) memcpy(&qh, b + (type == QT_Q5_0 ? 2 : 4), 4);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), lowmask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(v, lowmask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lowmask);
+    const int off = type == QT_Q4_0 ? 8 : type == QT_Q5_0 ? 16 : 0;
+    const __m256i offv = _mm256_set1_epi32(off), shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i qhv = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1);
+    for (int j = 0; j < QK; j += 8) { /* values j..j+7: low nibbles of bytes j..j+7, then high ones of bytes j-16.. */
+        const __m128i src = j < 16 ? _mm_srli_si128(lo, 0) : hi;
+        const __m128i bytes = (j & 8) ? _mm_srli_si128(src, 8) : src;
+        __m256i q = _mm256_cvtepu8_epi32(bytes);
+        if (qh) {
+            const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(qhv, _mm256_add_epi32(shifts, _mm256_set1_epi32(j))), one);
+            q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
+        }
+        dq8(_mm256_sub_epi32(q, offv), d, m, has_min, o + j);
+    }
+}
+#endif
+
 int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
     const int bs = legacy_size(type);
     if (!bs) return -1;
+#ifdef __AVX2__
+    for (int64_t b = 0; b < n / QK; b++) dequantize_block_avx2(type, w + b * bs, out + b * QK);
+    return 0;
+#endif
     for (int64_t b = 0; b < n / QK; b++) {
         int q[QK];
         float d, m;
         legacy_block(type, w + b * bs, q, &d, &m);
         float *o = out + b * QK;
         if (type == QT_Q4_1 || type == QT_Q5_1) {
-            for (int j = 0; j < QK; j++) {
-                float t = d * (float)q[j];
-                NOFUSE(t);
-                o[j] = t + m;
-            }
+            /* The products first, whole, then the adds: the memory barrier between the two loops
+             * keeps the compiler from fusing them (a fused multiply-add would round once, the
+             * reference twice) while both loops still vectorize. */
+            float t[QK];
+            for (int j = 0; j < QK; j++) t[j] = d * (float)q[j];
+            __asm__ volatile("" : : "r"(t) : "memory");
+            for (int j = 0; j < QK; j++) o[j] = t[j] + m;
         } else {
             for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
         }
