@@ -199,6 +199,11 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
     if scaling:
         config["rope_scaling"] = scaling
+    return _with_special_ids(config, metadata, vocab_size, src)
+
+
+def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) -> dict:
+    """`config` with the bos/eos/pad ids the file names (each checked against the vocabulary)."""
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
         value = token_id(metadata, gguf_key, vocab_size, src)
@@ -249,12 +254,7 @@ def _gpt2_config(metadata: dict, src: Path) -> dict:
         "activation_function": "gelu_new",
         "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
     }
-    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                          ("pad_token_id", "padding_token_id")):
-        value = token_id(metadata, gguf_key, vocab_size, src)
-        if value is not None:
-            config[key] = value
-    return config
+    return _with_special_ids(config, metadata, vocab_size, src)
 
 
 def _kv_heads(metadata: dict, key: str, heads: int, src: Path) -> int:
