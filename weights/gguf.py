@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
 from .gguf_file import GGUF_MAGIC, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
+from .gguf_names import GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
@@ -340,44 +340,6 @@ def _generation_config(metadata: dict, config: dict) -> dict:
 
 # -- tensors -------------------------------------------------------------------------------
 
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# GPT-2 (llama.cpp's gpt2 architecture) under transformers' GPT2LMHeadModel names.
-_GPT2_GLOBAL_TENSORS = {
-    "token_embd.weight": "transformer.wte.weight",
-    "position_embd.weight": "transformer.wpe.weight",
-    "output_norm.weight": "transformer.ln_f.weight",
-    "output_norm.bias": "transformer.ln_f.bias",
-    "output.weight": "lm_head.weight",
-}
-_GPT2_LAYER_TENSORS = {
-    "attn_norm": "ln_1",
-    "attn_qkv": "attn.c_attn",
-    "attn_output": "attn.c_proj",
-    "ffn_norm": "ln_2",
-    "ffn_up": "mlp.c_fc",
-    "ffn_down": "mlp.c_proj",
-}
-# GPT-2's Conv1D weights: [in, out] in the checkpoint, [out, in] in the GGUF (convert_hf_to_gguf
-# transposes them), which is the layout twice's linear layers hold.
-_GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that are not weights of the HF model (read into the config instead).
 _CONSUMED_TENSORS = ("rope_freqs.weight",)
 
@@ -446,17 +408,6 @@ def _gpt2_expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _hf_name(gguf_name: str, layers: int, arch: str = "llama") -> str | None:
-    glob, table, prefix = ((_GPT2_GLOBAL_TENSORS, _GPT2_LAYER_TENSORS, "transformer.h") if arch == "gpt2"
-                           else (_GLOBAL_TENSORS, _LAYER_TENSORS, "model.layers"))
-    if gguf_name in glob:
-        return glob[gguf_name]
-    match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and int(match[1]) < layers and match[2] in table:
-        return f"{prefix}.{int(match[1])}.{table[match[2]]}.{match[3]}"
-    return None
-
-
 def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> list[_TensorJob]:
     """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
     up front, so a file that cannot be converted is refused before anything is written."""
@@ -468,7 +419,7 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED_TENSORS:
             continue
-        name = _hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
+        name = hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
         if name is None:
             raise UnsupportedModelError(
                 f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model (experts and "
@@ -477,7 +428,7 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         if name not in expected:
             raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model")
-        transpose = config["model_type"] == "gpt2" and name.endswith(_GPT2_CONV1D)
+        transpose = config["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
         want = expected[name][::-1] if transpose else expected[name]
         if shape != want:
             raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(want)}")

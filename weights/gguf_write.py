@@ -38,6 +38,8 @@ import torch
 from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TokenizerError, TwiceError, UnsupportedModelError, WeightsError
 
+from .gguf_names import GPT2_CONV1D, gguf_name
+
 # general.file_type (llama_ftype) of each mixture; the mixtures and their per-tensor rules are
 # core/quant/mixes.py's.
 FILE_TYPES: dict[str, int] = {
@@ -351,48 +353,7 @@ def _pre_name(pre: Any, ignore_merges: bool, path: Path) -> str:
 
 # -- tensors -------------------------------------------------------------------------------
 
-_LLAMA_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
-    "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
-}
-_LLAMA_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
-_GPT2_LAYER = {
-    "ln_1.weight": "attn_norm.weight", "ln_1.bias": "attn_norm.bias",
-    "attn.c_attn.weight": "attn_qkv.weight", "attn.c_attn.bias": "attn_qkv.bias",
-    "attn.c_proj.weight": "attn_output.weight", "attn.c_proj.bias": "attn_output.bias",
-    "ln_2.weight": "ffn_norm.weight", "ln_2.bias": "ffn_norm.bias",
-    "mlp.c_fc.weight": "ffn_up.weight", "mlp.c_fc.bias": "ffn_up.bias",
-    "mlp.c_proj.weight": "ffn_down.weight", "mlp.c_proj.bias": "ffn_down.bias",
-}
-_GPT2_GLOBAL = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
-                "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
-_GPT2_CONV1D = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
 _IGNORED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-_LAYER = re.compile(r"(?:model\.layers|h)\.(\d+)\.(.+)")
-
-
-def _gguf_name(hf: str, arch: str, layers: int) -> str | None:
-    if arch == "gpt2":
-        hf = hf.removeprefix("transformer.")
-        table, glob = _GPT2_LAYER, _GPT2_GLOBAL
-    else:
-        table, glob = _LLAMA_LAYER, _LLAMA_GLOBAL
-        if not hf.startswith(("model.", "lm_head.")):
-            return None
-    if hf in glob:
-        return glob[hf]
-    m = _LAYER.fullmatch(hf)
-    if m and (arch == "gpt2") == hf.startswith("h.") and int(m[1]) < layers and m[2] in table:
-        return f"blk.{int(m[1])}.{table[m[2]]}"
-    return None
 
 
 def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -415,7 +376,7 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
     for hf, tf in iter_tensors(files):
         if hf.endswith(_IGNORED):
             continue
-        name = _gguf_name(hf, arch, layers)
+        name = gguf_name(hf, arch, layers)
         if name is None:
             unknown.append(hf)
             continue
@@ -429,7 +390,7 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
             transform = ("permute", config.num_attention_heads)
         elif arch == "llama" and name.endswith((".attn_k.weight", ".attn_k.bias")):
             transform = ("permute", config.num_key_value_heads)
-        elif arch == "gpt2" and name.endswith(_GPT2_CONV1D):
+        elif arch == "gpt2" and hf.endswith(GPT2_CONV1D):
             transform = ("transpose", 0)
             shape = shape[::-1]
         found[name] = TensorPlan(name, shape, "F32", _reader(tf, hf, transform), source=hf)
@@ -540,7 +501,7 @@ def memory_types(config: ModelConfig, mixture: str, shapes: dict[str, tuple[int,
     choose = _type_chooser(mixture, arch, config, tied, where)
     types: dict[str, str] = {}
     for hf, shape in shapes.items():
-        name = _gguf_name(hf, arch, config.num_hidden_layers)
+        name = gguf_name(hf, arch, config.num_hidden_layers)
         if name is None or (name == "output.weight" and tied):
             continue
         types[hf] = choose(TensorPlan(name, tuple(int(d) for d in shape), "F32", lambda: None, source=hf))

@@ -1,0 +1,66 @@
+"""Tensor names in llama.cpp's GGUF files and in Hugging Face checkpoints: one table, both
+directions. Reading a GGUF (gguf.py, gguf_load.py) maps its names to the checkpoint names the
+model families' targets() know; writing one (gguf_write.py) maps them back. Layer tensors
+are `blk.N.STEM.weight|bias` ↔ `PREFIX.N.HF_STEM.weight|bias`."""
+
+from __future__ import annotations
+
+import re
+
+# Per architecture: (GGUF name → HF name for whole-model tensors, GGUF layer stem → HF layer
+# stem, HF layer prefix). The llama table serves llama, mistral-as-llama, qwen2 and qwen3.
+_LLAMA = (
+    {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+     "output.weight": "lm_head.weight"},
+    {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+     "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "model.layers",
+)
+# GPT-2 (llama.cpp's gpt2 architecture) under transformers' GPT2LMHeadModel names.
+_GPT2 = (
+    {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+     "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+     "output.weight": "lm_head.weight"},
+    {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "transformer.h",
+)
+TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2}
+# GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF
+# (convert_hf_to_gguf transposes them), which is the layout twice's linear layers hold.
+GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str, layers: int, arch: str = "llama") -> str | None:
+    """The checkpoint name of a GGUF tensor (None: not a weight of this architecture)."""
+    glob, table, prefix = TABLES.get(arch, _LLAMA)
+    if gguf_name in glob:
+        return glob[gguf_name]
+    match = _GGUF_LAYER.fullmatch(gguf_name)
+    if match and int(match[1]) < layers and match[2] in table:
+        return f"{prefix}.{int(match[1])}.{table[match[2]]}.{match[3]}"
+    return None
+
+
+def gguf_name(hf: str, arch: str, layers: int) -> str | None:
+    """The GGUF name of a checkpoint tensor (GPT-2's with or without `transformer.`)."""
+    glob, table, prefix = TABLES.get(arch, _LLAMA)
+    if arch == "gpt2" and not hf.startswith(("transformer.", "lm_head.")):
+        hf = f"transformer.{hf}"
+    for g, h in glob.items():
+        if h == hf:
+            return g
+    if not hf.startswith(prefix + "."):
+        return None
+    rest = hf[len(prefix) + 1:]
+    index, _, leaf = rest.partition(".")
+    stem, _, kind = leaf.rpartition(".")
+    if not index.isdigit() or int(index) >= layers or kind not in ("weight", "bias"):
+        return None
+    for g, h in table.items():
+        if h == stem:
+            return f"blk.{int(index)}.{g}.{kind}"
+    return None
