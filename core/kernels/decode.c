@@ -27,6 +27,7 @@
 
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
 int64_t q_act_bytes(int type, int64_t n);
+int q_act_family(int type);
 void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq);
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads);
@@ -109,14 +110,16 @@ static void narrow(const float *x, uint16_t *out, int64_t n) {
  * multiplies bf16 by bf16), `xq` for it prepared for a block type (int8 blocks, qdot.h). */
 static void linear(const Dims *d, const Weight *w, const void *b, const float *x, int64_t n, int64_t out,
                    int64_t rows, float *y, uint16_t *xw, void *xq, int threads) {
-    int64_t row = 0;
+    int64_t row = 0, prepared = -1; /* the family x is prepared for in xq (one per family: qdot.h) */
     for (int64_t p = 0; p < w->parts; p++) {
         const Part *part = &w->part[p];
         if (part->type == FLOAT_TYPE) { /* the whole matrix (a float model's weights are one part) */
             if (d->bf16) narrow(x, xw, rows * n);
             gemm(part->data, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
         } else {
-            q_prepare((int)part->type, x, n, rows, xq);
+            const int family = q_act_family((int)part->type);
+            if (family != prepared) q_prepare((int)part->type, x, n, rows, xq);
+            prepared = family;
             q_gemm((int)part->type, part->data, part->rows, n, xq, rows, y + row, out, threads);
         }
         row += part->rows;
