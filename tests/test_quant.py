@@ -121,3 +121,13 @@ def test_bad_dtype_and_unknown_type():
     with pytest.raises(ValueError) as e:
         quant.dequantize(torch.zeros(34, dtype=torch.uint8), "Q7_9")
     assert "\n" not in str(e.value) and "Q7_9" in str(e.value)
+
+
+@pytest.mark.parametrize("name", list(quant.CODECS))
+def test_reference_dequantizers_follow_the_data_device(name):
+    """The torch reference serves block-stored weights on a GPU: no constant may stay on the
+    CPU (the meta device stands in for one: a CPU constant beside it is an error)."""
+    c = quant.codec(name)
+    data = torch.empty(3, 2 * c.type_size, dtype=torch.uint8, device="meta")
+    out = quant.dequantize(data, name)
+    assert out.device.type == "meta" and out.shape == (3, 2 * c.block_size)

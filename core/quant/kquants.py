@@ -23,7 +23,7 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
     dmin = f16(b[:, 82:84])
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    q = (qs.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.reshape(1, 1, 4, 1)) & 3
+    q = (qs.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.to(b.device).reshape(1, 1, 4, 1)) & 3
     q = q.reshape(n, 16, 16).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -34,12 +34,12 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     qs = b[:, 32:96]
     scales = b[:, 96:108]
     d = f16(b[:, 108:110])
-    low = (scales[:, :8].reshape(n, 1, 8) >> NIBBLE_SHIFTS.reshape(1, 2, 1)).reshape(n, 16)
-    high = (scales[:, 8:].reshape(n, 1, 4) >> CRUMB_SHIFTS.reshape(1, 4, 1)).reshape(n, 16)
+    low = (scales[:, :8].reshape(n, 1, 8) >> NIBBLE_SHIFTS.to(b.device).reshape(1, 2, 1)).reshape(n, 16)
+    high = (scales[:, 8:].reshape(n, 1, 4) >> CRUMB_SHIFTS.to(b.device).reshape(1, 4, 1)).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 3) << 4)).to(torch.float32) - 32.0
     dl = (d * sc).reshape(n, 16, 1)
-    ql = ((qs.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
-    qh = ((hmask.reshape(n, -1, 1, 32) >> BIT_SHIFTS.reshape(1, 1, 8, 1)) & 1).reshape(n, 16, 16)
+    ql = ((qs.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.to(b.device).reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
+    qh = ((hmask.reshape(n, -1, 1, 32) >> BIT_SHIFTS.to(b.device).reshape(1, 1, 8, 1)) & 1).reshape(n, 16, 16)
     q = ql.to(torch.float32) - ((qh ^ 1) << 2).to(torch.float32)
     return (dl * q).reshape(n, QK_K)
 
@@ -75,7 +75,7 @@ def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
     ql = nibbles(qs, 32).reshape(n, 8, 32)
-    hb = ((qh.reshape(n, 1, 1, 32) >> BIT_SHIFTS.reshape(1, 1, 8, 1)) & 1).reshape(n, 8, 32)
+    hb = ((qh.reshape(n, 1, 1, 32) >> BIT_SHIFTS.to(b.device).reshape(1, 1, 8, 1)) & 1).reshape(n, 8, 32)
     q = (ql | (hb << 4)).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -88,7 +88,7 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     d = f16(b[:, 208:210])
     dl = (d * scales).reshape(n, 16, 1)
     lo = nibbles(ql, 64).reshape(n, 8, 32)
-    hi = ((qh.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.reshape(1, 1, 4, 1)) & 3).reshape(n, 8, 32)
+    hi = ((qh.reshape(n, -1, 1, 32) >> CRUMB_SHIFTS.to(b.device).reshape(1, 1, 4, 1)) & 3).reshape(n, 8, 32)
     q = (lo | (hi << 4)).to(torch.float32) - 32.0
     return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
 
