@@ -89,10 +89,15 @@ class StoredTensors:
                                                        rows))
         keep_float = {p for p, ps in parts.items() if all(_FLOAT_TYPES.get(dtype) == _type_id(t) for _, t, _ in ps)}
         layouts = {p: [(t, rows) for _, t, rows in sorted(ps)] for p, ps in parts.items() if p not in keep_float}
-        if layouts and model.shard.active:
-            raise UnsupportedModelError(
-                f"{self.src}: tensor parallelism over quantized weights is not supported yet; "
-                "run it on one process, or load it with --dequantize")
+        for name, job in self.jobs.items():  # tensor parallelism splits rows, or columns by whole blocks
+            target = targets[name]
+            if target.param in layouts and target.source is not None and target.source.dim == 1:
+                c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
+                if target.source.start % c.block_size or target.source.stop % c.block_size:
+                    raise UnsupportedModelError(
+                        f"{self.src}: tensor {job.tensor.name} ({c.name}, blocks of {c.block_size} values) cannot be "
+                        f"split over {model.shard.world} ranks: each rank's {target.source.stop - target.source.start} "
+                        "columns would cut a block; use fewer ranks, or --dequantize")
         return layouts
 
     def fill(self, model: CausalLM) -> None:
@@ -107,17 +112,36 @@ class StoredTensors:
                 module = modules.get(target.param.removesuffix(".weight"))
                 if hasattr(module, "part_for_row"):  # stored as blocks
                     buffer, first = module.part_for_row(target.row)
-                    rows = job.stored_shape[0]
-                    dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
-                    self._read_blocks(fd, job, dest)
+                    if target.source is None:
+                        rows = job.stored_shape[0]
+                        dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
+                        self._read_blocks(fd, job, dest)
+                    else:  # this rank's rows, or its columns as whole blocks, of the whole tensor
+                        whole = torch.empty(job.stored_shape[0], job.tensor.n_bytes // job.stored_shape[0],
+                                            dtype=torch.uint8)
+                        self._read_blocks(fd, job, whole)
+                        src = target.source
+                        if src.dim == 0:
+                            piece = whole[src.start: src.stop]
+                        else:
+                            c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
+                            per = c.type_size // c.block_size if c.block_size == 1 else None
+                            a, b = ((src.start * per, src.stop * per) if per else
+                                    (src.start // c.block_size * c.type_size, src.stop // c.block_size * c.type_size))
+                            piece = whole[:, a:b]
+                        rows = piece.shape[0]
+                        getattr(module, buffer)[target.row - first: target.row - first + rows].copy_(piece)
                     continue
                 param = params[target.param]
                 dest = param if target.rows is None else param[target.row: target.row + target.rows]
                 if dest.dtype in _FLOAT_TYPES and _FLOAT_TYPES[dest.dtype] == int(job.tensor.tensor_type) \
-                        and not job.unpermute_heads and len(job.shape) == 2:
+                        and not job.unpermute_heads and len(job.shape) == 2 and target.source is None:
                     self._read_blocks(fd, job, dest.view(torch.uint8).view(dest.shape[0], -1))
                     continue
                 weight = torch.from_numpy(np.array(_load_weight(job, self.src, hf_layout=False), dtype=np.float32))
+                if target.source is not None:  # this rank's slice
+                    src = target.source
+                    weight = weight.narrow(src.dim, src.start, src.stop - src.start)
                 if not bool(torch.isfinite(weight).all()):
                     raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
                 dest.copy_(weight)

@@ -71,22 +71,30 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
 
     targets = model.targets()
     params = dict(model.named_parameters(remove_duplicate=False))
-    shapes = {}
+    shapes, local = {}, {}
     for hf, t in targets.items():
         p = params.get(t.param)
-        if p is None or p.dim() != 2 or t.source is not None:
+        if p is None or p.dim() != 2:
             continue
         rows = t.rows if t.rows is not None else p.shape[0]
-        shapes[hf] = (rows, p.shape[1])
-    if model.shard.active:
-        raise UnsupportedModelError("--quantize with tensor parallelism is not supported yet")
+        local[hf] = (rows, p.shape[1])
+        # The type follows the whole checkpoint tensor's shape (a rank holds a slice of it).
+        src = t.source
+        shapes[hf] = (src.total if src and src.dim == 0 else rows, src.total if src and src.dim == 1 else p.shape[1])
+    from twice.core.quant import codec
+
     types = memory_types(model.config, mixture, shapes)
     parts: dict[str, list[tuple[int, str, int]]] = {}
     for hf, type_name in types.items():
         t = targets[hf]
         if hf.startswith("transformer.") or type_name == "F32":
             continue
-        parts.setdefault(t.param, []).append((t.row, type_name, shapes[hf][0]))
+        block = codec(type_name).block_size
+        if local[hf][1] % block:  # tensor parallelism split the row inside a block
+            raise UnsupportedModelError(
+                f"--quantize {mixture}: {hf} would be {type_name} (blocks of {block} values), but each of the "
+                f"{model.shard.world} ranks holds {local[hf][1]} of its columns; use fewer ranks, or no --quantize")
+        parts.setdefault(t.param, []).append((t.row, type_name, local[hf][0]))
     return {p: [(kind, rows) for _, kind, rows in sorted(ps)] for p, ps in parts.items()}
 
 
