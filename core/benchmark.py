@@ -21,6 +21,7 @@ from .device import DTYPE_NAMES, synchronize
 from .engine import Done, Engine, GenerationSettings, Request
 from .hugepages import release_freed_memory
 from .model import CausalLM
+from .qweight import BlockEmbedding, BlockLinear
 from .models import build_model
 from .native_decode import supported as native_supported
 
@@ -130,6 +131,9 @@ def hf_twin(model: CausalLM):
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype).to(first.device)
     hf.eval().requires_grad_(False)
     params = dict(model.named_parameters(remove_duplicate=False))
+    for name, m in model.named_modules():  # block-stored weights: the twin gets them dequantized
+        if isinstance(m, (BlockLinear, BlockEmbedding)):
+            params[f"{name}.weight"] = m.weight.dequantize(first.dtype)
     with torch.no_grad():
         for name, target in model.targets().items():
             try:
@@ -394,11 +398,11 @@ def model_macs(model: CausalLM) -> tuple[int, int]:
     """Multiply-adds per generated token: every matrix of the layers and the head once
     (embedding rows are looked up, not multiplied); and per cached position attended, q·k
     and p·v for every query head of every layer."""
-    head = model.lm_head_weight
-    matrices = sum(m.weight.numel() for m in model.modules()
-                   if isinstance(m, torch.nn.Linear) and m.weight is not head)
+    head, head_module = model.lm_head_weight, getattr(model, "lm_head", None)
+    matrices = sum(m.weight.shape.numel() for m in model.modules()
+                   if isinstance(m, (torch.nn.Linear, BlockLinear)) and m is not head_module)
     c = model.config
-    return matrices + head.numel(), 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    return matrices + head.shape.numel(), 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
 
 
 def measure_compute_peak(model: CausalLM) -> dict | None:
