@@ -24,7 +24,9 @@ The text is scripts/quality_text.py's (pydoc_data.topics: its sha256 depends on 
 version and goes into the JSON). Perplexity is deterministic, so a loaded machine only costs
 time.
 
-    python scripts/quality.py --json scripts/results/quality.json          # the whole table (~1 h on 2 busy cores)
+    python scripts/quality.py --json scripts/results/quality.json          # the whole table (~1.5 h on 2 busy cores)
+    python scripts/quality.py --models smollm2 --json a.json & python scripts/quality.py --models qwen0.5b --json b.json
+    python scripts/quality.py --merge a.json b.json --json scripts/results/quality.json   # (how it was run)
     python scripts/quality.py --models smollm2 --types f32,q8_0 --json /tmp/q.json
     python scripts/quality.py --table scripts/results/quality.json         # the README's table from a JSON
 
@@ -57,8 +59,9 @@ MODELS = {  # short name: (title, how to find the shipped file)
 }
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 # The first tokens of the text each model scores: 8 windows of 512 for SmolLM2; Qwen 0.5B is
-# ~4x the work per token (and its 151,936-entry vocabulary), so 2 windows keep the whole table
-# near an hour on 2 busy cores.
+# ~4x the work per token (and its 151,936-entry vocabulary), so 2 windows. Measured 2026-12-01 on
+# 2 cores at load 3-11, the two models run side by side: SmolLM2 48 min, Qwen 43 min (4,096 tokens
+# for Qwen would add about an hour).
 DEFAULT_MAX_TOKENS = "smollm2=4096,qwen0.5b=1024"
 TYPES = ["f32", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "shipped"]
 
