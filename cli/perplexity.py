@@ -31,6 +31,8 @@ def perplexity(
     revision: o.Revision = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    dequantize: o.Dequantize = False,
+    quantize: o.Quantize = None,
     threads: o.Threads = None,
     context: int = typer.Option(None, "--context", help=f"Tokens per window (at least 2). Default {DEFAULT_CONTEXT}, "
                                 "or the model's context where that is shorter.", show_default=False),
@@ -43,6 +45,7 @@ def perplexity(
     """Perplexity of TEXT_FILE under the model: exp(mean negative log-likelihood of its tokens),
     in windows of --context tokens that do not overlap, each scored on its own."""
     _check_flags(context, max_tokens, threads)
+    weights = o.weights_choice(dequantize, quantize)
     if no_color:
         from .console import COLOR
 
@@ -55,7 +58,7 @@ def perplexity(
 
     bar = _Bar(enabled=_isatty(sys.stderr))
     with bar:
-        loaded = _load(bar, model, revision, device, dtype)
+        loaded = _load(bar, model, revision, device, dtype, weights)
         prefix = ppl.bos_prefix(loaded.tokenizer)
         window = ppl.choose_context(context, loaded.config.max_position_embeddings, len(prefix))
         bar.phase("tokenizing the text")
@@ -191,11 +194,12 @@ class _Bar:
             self.progress.refresh()  # a window takes milliseconds to seconds: drawn as it ends
 
 
-def _load(bar: _Bar, model, revision, device, dtype):
+def _load(bar: _Bar, model, revision, device, dtype, weights=None):
     from twice.weights.load import load
 
     bar.phase(f"loading {model or 'the default model'}")
-    return load(model, revision, device, dtype, progress=lambda message: bar.phase(f"loading: {message}"))
+    return load(model, revision, device, dtype, progress=lambda message: bar.phase(f"loading: {message}"),
+                weights=weights)
 
 
 def _isatty(stream) -> bool:

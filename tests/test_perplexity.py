@@ -247,3 +247,27 @@ def test_context_longer_than_the_model(capsys, model_dirs, text_file):
     assert "--context 257 is more than the model's context of 256 tokens; use --context 256 or less" in line
     assert ppl_json(capsys, text_file, "--model", model_dirs("gpt2"), "--context", 256, "--max-tokens", 600)[
         "windows"] == 3
+
+
+def test_dequantize_and_quantize_flags(tmp_path, capsys, model_dirs):
+    """--dequantize scores a GGUF's float copy, --quantize a model quantized at load: the float
+    copy of a Q8_0 file equals the file as stored (float products of the same values, to float
+    rounding), and quantizing the float model in memory to Q8_0 gives the file's number."""
+    import json as _json
+
+    from clirun import run_inprocess
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    folder = model_dirs("llama")
+    path = tmp_path / "m.gguf"
+    assert run_inprocess(["quantize", str(folder), str(path), "--type", "q8_0"], capsys).code == 0
+
+    def ppl(*args):
+        r = run_inprocess(["perplexity", str(text), "--context", "32", "--json", *args], capsys)
+        assert r.code == 0, r
+        return _json.loads(r.out)["perplexity"]
+
+    stored, floats, in_memory = ppl("-m", str(path)), ppl("-m", str(path), "--dequantize"), \
+        ppl("-m", str(folder), "--quantize", "q8_0")
+    assert abs(stored - floats) < 1e-3 * floats and abs(in_memory - stored) < 1e-9 * stored
