@@ -249,3 +249,30 @@ def test_quantize_flag_cli(capsys, model_dirs):
     line = one_error_line(run_inprocess(["generate", "hi", "--model", folder, "--quantize", "q8_0", "--dequantize"],
                                         capsys))
     assert "--dequantize" in line
+
+
+def test_tensor_parallel_slices_are_whole_blocks(tmp_path, capsys, wide_dirs):
+    """Each rank of --tp 2 holds exactly its rows (q/k/v, gate/up) and its whole column blocks
+    (o_proj, down_proj) of the blocks one rank holds. (Loading needs no process group; the
+    forward pass with its all-reduce is test_parallel.py's, under torchrun.)"""
+    from twice.core.parallel import Shard
+
+    path = _quantized(tmp_path, capsys, wide_dirs("llama"), "q8_0")
+    whole = dict(load(str(path)).model.named_buffers())
+    ranks = [dict(load(str(path), shard=Shard(rank=r, world=2)).model.named_buffers()) for r in range(2)]
+    o, down = "layers.0.self_attn.o_proj.blocks0", "layers.1.mlp.down_proj.blocks0"
+    for name in (o, down):  # columns: each rank has half of every row's blocks
+        half = whole[name].shape[1] // 2
+        assert torch.equal(ranks[0][name], whole[name][:, :half]) and torch.equal(ranks[1][name], whole[name][:, half:])
+    qkv = "layers.0.self_attn.qkv_proj.blocks0"  # rows: q then k then v, each rank its heads of each
+    assert ranks[0][qkv].shape[0] * 2 == whole[qkv].shape[0]
+    assert not torch.equal(ranks[0][qkv], ranks[1][qkv])
+
+
+def test_tensor_parallel_refuses_a_split_that_cuts_a_block(tmp_path, capsys, model_dirs):
+    from twice.core.errors import UnsupportedModelError
+    from twice.core.parallel import Shard
+
+    path = _quantized(tmp_path, capsys, model_dirs("llama"), "q8_0")  # intermediate 96: 48 columns per rank
+    with pytest.raises(UnsupportedModelError, match=r"ffn_down.*cannot be split over 2 ranks"):
+        load(str(path), shard=Shard(rank=0, world=2))
