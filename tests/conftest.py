@@ -35,6 +35,9 @@ def model_dirs(tmp_path_factory, tokenizer):
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # Converted models and other cache writes go to a per-session temporary folder.
     monkeypatch.setenv("TWICE_CACHE", str(tmp_path_factory.getbasetemp() / "twice-cache"))
+    # One build of the native kernels for the whole run, also for the processes tests start
+    # with caches of their own (a build of every kernel source costs several seconds).
+    monkeypatch.setenv("TWICE_KERNELS_CACHE", str(tmp_path_factory.getbasetemp() / "twice-kernels"))
     # The tests compare against transformers in float32; what `--dtype auto` means on a CPU
     # depends on its instruction set, so it is pinned here (test_device.py tests the choice).
     monkeypatch.setenv("TWICE_CPU_AUTO_DTYPE", "float32")

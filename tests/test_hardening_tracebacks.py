@@ -299,6 +299,7 @@ def test_kernel_cache_on_a_regular_file(tmp_path, monkeypatch):
     plain = tmp_path / "plain"
     plain.write_bytes(b"mine\n")
     monkeypatch.setenv("TWICE_CACHE", str(plain))
+    monkeypatch.delenv("TWICE_KERNELS_CACHE")  # the kernels' folder under TWICE_CACHE is what this is about
     monkeypatch.setattr(kernels, "_STATE", {})
     if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CC"):
         pytest.skip("no C compiler: the kernels are never built")

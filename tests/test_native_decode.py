@@ -145,6 +145,7 @@ def test_kernels_never_load_from_a_folder_others_can_write(tmp_path, monkeypatch
     folder instead, and still works; the planted file is never loaded."""
     import os
 
+    monkeypatch.delenv("TWICE_KERNELS_CACHE")  # this test is about the kernels' folder in TWICE_CACHE
     shared = tmp_path / "shared"
     (shared / "kernels").mkdir(parents=True)
     os.chmod(shared / "kernels", 0o777)

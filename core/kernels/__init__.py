@@ -58,7 +58,9 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(flags).encode() + platform.processor().encode()
                          + _cpu_model().encode()).hexdigest()[:16]
-    folder = cache_dir() / "kernels"
+    # TWICE_KERNELS_CACHE: a folder for the built library alone (the tests share one across
+    # the processes they start with caches of their own: a build costs seconds).
+    folder = Path(os.environ["TWICE_KERNELS_CACHE"]) if os.environ.get("TWICE_KERNELS_CACHE") else cache_dir() / "kernels"
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError:
