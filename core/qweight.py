@@ -240,9 +240,6 @@ def store_as_blocks(model: torch.nn.Module, layouts: dict[str, list[tuple[str, i
         else:
             new = BlockLinear(old.in_features, old.out_features, layout, old.bias, device,
                               shard=getattr(old, "shard", None))
-            for attr in ("intermediate",):  # attributes callers read off the layer
-                if hasattr(old, attr):
-                    setattr(new, attr, getattr(old, attr))
         setattr(parent, leaf, new)
         modules[name] = new
 
