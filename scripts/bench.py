@@ -29,7 +29,10 @@ def run_one(subject: dict, dtype: str, args, out_dir: Path) -> dict:
     json_path = out_dir / f"{tag}.json"
     cmd = [sys.executable, "-c", "from twice.cli.app import main; main()", "bench", "--device", args.device,
            "--dtype", dtype, "--repeats", str(args.repeats), "--json", str(json_path)]
-    cmd += ["--shape", subject["shape"]] if subject.get("shape") else (["--model", subject["model"]] if subject.get("model") else [])
+    # The default model: its float copy (--dequantize), the weights the float matrix and its llama.cpp peer measure
+    # (run as stored, the default model is its Q4_1 file: scripts/bench_quant.py compares that one).
+    cmd += (["--shape", subject["shape"]] if subject.get("shape")
+            else ["--model", subject["model"]] if subject.get("model") else ["--dequantize"])
     for w in args.workloads.split(","):
         cmd += ["-w", w]
     for e in (args.engines.split(",") if args.engines else []):
