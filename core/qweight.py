@@ -128,8 +128,10 @@ def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
 def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
     """x [rows, n] @ part.T → [rows, part.rows] in x's dtype."""
     if x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS and p.codec.quantized and kernels.available():
-        # Through the torch op: compiled graphs (fastpath.py) trace it like any other op.
-        return torch.ops.twice.quant_matmul(x.float().contiguous(), p.data, p.codec.ggml_type).to(x.dtype)
+        # Compiled graphs (fastpath.py) trace the kernel as a torch op; eagerly it is called
+        # directly (a custom op's first call imports torch._dynamo: seconds on a first prompt).
+        matmul = torch.ops.twice.quant_matmul if torch.compiler.is_compiling() else kernels.quant_matmul
+        return matmul(x.float().contiguous(), p.data, p.codec.ggml_type).to(x.dtype)
     if p.rows <= _DEQUANTIZE_ROWS:
         return F.linear(x, _dequantize(p, 0, p.rows, n).to(x.dtype))
     y = torch.empty(x.shape[0], p.rows, dtype=x.dtype, device=x.device)
