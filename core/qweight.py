@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .quant import Codec, codec
+from .quant import Codec, codec, dequantize
 
 # Rows dequantized at once in the float product: bounds the temporary to a few MiB per
 # call however large the matrix (a 150k-row vocabulary head would otherwise need ~1 GB).
@@ -117,12 +117,7 @@ def _dequantize(p: Part, start: int, stop: int, n: int) -> torch.Tensor:
         got = kernels.dequantize_rows(data.contiguous(), p.codec.ggml_type, n)
         if got is not None:
             return got
-    return _reference_dequantize(data, p.codec)
-
-
-def _reference_dequantize(data: torch.Tensor, c: Codec) -> torch.Tensor:
-    rows = data.shape[0]
-    return c.dequantize_blocks(data.reshape(-1, c.type_size)).reshape(rows, -1)
+    return dequantize(data, p.codec.name)
 
 
 def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
