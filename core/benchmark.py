@@ -22,7 +22,7 @@ from .engine import Done, Engine, GenerationSettings, Request
 from .hugepages import release_freed_memory
 from .model import CausalLM
 from .qweight import BlockEmbedding, BlockLinear
-from .models import build_model
+from .models import build_model, family
 from .native_decode import supported as native_supported
 
 # Random-weight stand-ins with the exact shapes of real checkpoints (no download needed).
@@ -117,16 +117,20 @@ def hf_twin(model: CausalLM):
     import transformers
 
     c = model.config
-    kwargs = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+    # The shared fields under their Hugging Face names, the family's own from the config's
+    # other keys (soft-caps, experts, ...: kept in `extra` as the config.json had them).
+    kwargs = dict(c.extra)
+    kwargs.update(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                   num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                   num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
                   rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings, head_dim=c.head_dim,
-                  rope_parameters=dict(c.rope_parameters), hidden_act=c.hidden_act)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "mistral": transformers.MistralConfig}.get(c.model_type)
-    if cls is None:
+                  hidden_act=c.hidden_act)
+    if c.rope_parameters is not None:
+        kwargs["rope_parameters"] = dict(c.rope_parameters)
+    name = family(c.model_type).hf_config.get(c.model_type)
+    if name is None or c.model_type == "gpt2":
         raise ValueError(f"no transformers twin for {c.model_type}")
-    hf_config = cls(**kwargs)
+    hf_config = getattr(transformers, name)(**kwargs)
     first = next(model.parameters())
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype).to(first.device)
     hf.eval().requires_grad_(False)

@@ -17,32 +17,9 @@ from typing import Any
 from .errors import ConfigError, UnsupportedModelError
 from .fields import _MISSING, Fields, show
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MAX_LAYERS = 100_000
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
-
-# transformers' per-family defaults for fields a config.json may leave out.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
-    "mistral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0,
-                    tie_word_embeddings=False, sliding_window=4096),
-    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
-    "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                  head_dim=128),
-    "gpt2": dict(max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True),
-}
-
-# GPT-2 spells the common fields its own way (transformers' GPT2Config.attribute_map).
-_GPT2_ALIASES = {
-    "n_embd": "hidden_size",
-    "n_layer": "num_hidden_layers",
-    "n_head": "num_attention_heads",
-    "n_positions": "max_position_embeddings",
-    "n_inner": "intermediate_size",
-    "layer_norm_epsilon": "rms_norm_eps",
-    "activation_function": "hidden_act",
-}
 
 
 @dataclass(frozen=True)
@@ -73,6 +50,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if it says
+    # What only one family reads (gemma's soft-caps, an MoE's experts, ...): a frozen
+    # dataclass its own module defines and its `configure` fills.
+    options: Any = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -89,26 +69,10 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
 
     def parameter_count(self) -> int:
-        """Parameters as stored (a tied head counted once)."""
-        h, L, v = self.hidden_size, self.num_hidden_layers, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.o_bias:
-            attn += h
-        mlp_mats = 2 if self.model_type == "gpt2" else 3
-        mlp = mlp_mats * h * self.intermediate_size
-        if self.mlp_bias:
-            mlp += self.intermediate_size + h
-        norms = (2 * h if self.model_type != "gpt2" else 4 * h) + (2 * self.head_dim if self.qk_norm else 0)
-        total = L * (attn + mlp + norms) + v * h + (h if self.model_type != "gpt2" else 2 * h)
-        if self.model_type == "gpt2":
-            total += self.max_position_embeddings * h
-        if not self.tie_word_embeddings:
-            total += v * h
-        return total
+        """Parameters as stored (a tied head counted once), as the family counts them."""
+        from .models import family
+
+        return family(self.model_type).parameter_count(self)
 
 
 def _positive_int(f: Fields, key: str) -> int:
@@ -122,7 +86,7 @@ def _positive_float(f: Fields, key: str) -> float:
 MAX_SIZE = 2**31 - 1  # a tensor dimension or a position (torch indexes them as int64; real ones are far smaller)
 
 
-def _size(f: Fields, key: str) -> int:
+def size_field(f: Fields, key: str) -> int:
     """A positive integer of at most MAX_SIZE (the bound is named only when exceeded)."""
     value = f.int(key, lo=1)
     if value > MAX_SIZE:
@@ -199,99 +163,61 @@ def normalize_rope(d: dict, source: str) -> dict:
 
 
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
-    """Validate a config.json dict and turn it into a ModelConfig (errors name `source`)."""
+    """Validate a config.json dict and turn it into a ModelConfig (errors name `source`).
+    The fields every family shares are read here; the family's own `configure` (found by
+    `model_type`, models.py) reads the rest."""
+    from .models import FAMILIES
+
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         shown = "no model_type" if model_type is None else f"model_type {show(model_type)}"
         raise UnsupportedModelError(
-            f"{source}: {shown} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{source}: {shown} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
-    d = dict(_FAMILY_DEFAULTS[model_type])
-    if model_type == "gpt2":
-        d.update({"hidden_act": "gelu_new", "rms_norm_eps": 1e-5})
-        for old, new in _GPT2_ALIASES.items():
-            if old in raw and raw[old] is not None:
-                d[new] = raw[old]
+    fam = FAMILIES[model_type]
+    d = dict(fam.defaults.get(model_type, {}))
+    for old, new in fam.aliases.items():
+        if old in raw and raw[old] is not None:
+            d[new] = raw[old]
     d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window",)})
+    fam.complete(d)
     f = Fields(d, source)
 
     vocab_size = _positive_int(f, "vocab_size")
-    hidden = _size(f, "hidden_size")
+    hidden = size_field(f, "hidden_size")
     layers = _positive_int(f, "num_hidden_layers")
     if layers > MAX_LAYERS:  # checked before anything is built per layer
         raise ConfigError(f"{source}: num_hidden_layers {layers} is not a plausible layer count (at most {MAX_LAYERS:,})")
-    heads = _size(f, "num_attention_heads")
+    heads = size_field(f, "num_attention_heads")
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = heads
-    kv_heads = _size(f, "num_key_value_heads")
+    kv_heads = size_field(f, "num_key_value_heads")
     if heads % kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    if d.get("head_dim") is None or model_type == "gpt2":
+    if d.get("head_dim") is None:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
         d["head_dim"] = hidden // heads
-    head_dim = _size(f, "head_dim")
-    if head_dim % 2 and model_type != "gpt2":
+    head_dim = size_field(f, "head_dim")
+    if head_dim % 2 and fam.rotary:
         raise ConfigError(f"{source}: head_dim ({head_dim}) must be even for rotary embeddings")
-    if model_type == "gpt2" and d.get("intermediate_size") is None:
-        d["intermediate_size"] = 4 * hidden
-    intermediate = _size(f, "intermediate_size")
-    max_pos = _size(f, "max_position_embeddings")
+    intermediate = size_field(f, "intermediate_size")
+    max_pos = size_field(f, "max_position_embeddings")
     eps = _positive_float(f, "rms_norm_eps")
     act = f.str("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedModelError(
             f"{source}: activation {show(act)} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
-
-    rope = None if model_type == "gpt2" else normalize_rope(d, source)
-
-    # true/false only: "no" in a config is a mistake, not a truthy string
-    if model_type in ("llama", "qwen3"):
-        qkv_bias = o_bias = f.bool("attention_bias", False)
-    elif model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-    elif model_type == "gpt2":
-        qkv_bias = o_bias = True
-    else:  # mistral
-        qkv_bias = o_bias = False
-    mlp_bias = True if model_type == "gpt2" else f.bool("mlp_bias", False)
-    tied = f.bool("tie_word_embeddings", False)
-    scale_attn_weights = f.bool("scale_attn_weights", True)
-    scale_by_layer = f.bool("scale_attn_by_inverse_layer_idx", False)
+    rope = normalize_rope(d, source) if fam.rotary else None
+    tied = f.bool("tie_word_embeddings", False)  # true/false only: "no" in a config is a mistake
     bos = f.int("bos_token_id", None, lo=0)
     eos = f.token_ids("eos_token_id")
-
-    # Sliding windows: mistral applies its window on every layer; qwen2/qwen3 only when
-    # use_sliding_window is set, and then on the layers from max_window_layers on
-    # (or as an explicit layer_types list says).
-    window = d.get("sliding_window")
-    layer_types: tuple[str, ...] = ()
-    if model_type in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False):
-        window = None
-    if window is not None:
-        window = _size(f, "sliding_window")
-        if model_type == "mistral":
-            layer_types = ("sliding_attention",) * layers
-        elif model_type in ("qwen2", "qwen3"):
-            given = d.get("layer_types")
-            if given is not None:
-                if not isinstance(given, list) or len(given) != layers or any(
-                    t not in ("full_attention", "sliding_attention") for t in given
-                ):
-                    raise ConfigError(f"{source}: layer_types must list full_attention/sliding_attention per layer")
-                layer_types = tuple(given)
-            else:
-                first = f.int("max_window_layers", 28, lo=0)
-                layer_types = tuple(
-                    "sliding_attention" if i >= first else "full_attention" for i in range(layers)
-                )
-        else:
-            window = None
+    own = fam.configure(model_type, f, d, layers)
 
     dtype = d.get("dtype", d.get("torch_dtype"))
     known = set(ModelConfig.__dataclass_fields__)
@@ -309,16 +235,22 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         hidden_act=act,
         tie_word_embeddings=tied,
         rope_parameters=rope,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=model_type == "qwen3",
-        sliding_window=window,
-        layer_types=layer_types,
-        scale_attn_weights=scale_attn_weights,
-        scale_attn_by_inverse_layer_idx=scale_by_layer,
         bos_token_id=bos,
         eos_token_id=eos,
         torch_dtype=dtype if isinstance(dtype, str) else None,
         extra={k: v for k, v in raw.items() if k not in known},
+        **own,
     )
+
+
+def layer_types_from(f: Fields, d: dict, layers: int, kinds: tuple[str, ...] = ("full_attention", "sliding_attention")
+                     ) -> tuple[str, ...] | None:
+    """An explicit `layer_types` list, checked: one of `kinds` per layer; None if absent."""
+    given = d.get("layer_types")
+    if given is None:
+        return None
+    if not isinstance(given, list) or len(given) != layers or any(t not in kinds for t in given):
+        shown = f"{len(given)} entries" if isinstance(given, list) else show(given)
+        raise ConfigError(f"{f.source}: layer_types must list one of {'/'.join(kinds)} per layer "
+                          f"({layers} layers), got {shown}")
+    return tuple(given)

@@ -24,6 +24,7 @@ from .cache import KVCache
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
 from .errors import DeviceError, PromptError, TwiceError
 from .fastpath import CompiledDecoder, bucketed
+from .fastpath import supported as compiled_supported
 from .native_decode import NativeDecoder
 from .qweight import weight_formats
 from .native_decode import supported as native_supported
@@ -253,7 +254,7 @@ class Engine:
         self.fast: NativeDecoder | CompiledDecoder | None = None
         if native and native_supported(model):
             self.fast = NativeDecoder(model)
-        elif compile and not model.shard.active:
+        elif compile and compiled_supported(model):
             self.fast = CompiledDecoder(model)
         self.decode_path = ("native" if isinstance(self.fast, NativeDecoder)
                             else "compiled" if self.fast else "eager")

@@ -31,13 +31,22 @@ from . import kernels
 from .cache import KVCache
 from .cudagraph import CapturedSteps
 from .device import synchronize
-from .gpt2 import GPT2Model
+from .layers import ACTIVATIONS
 from .model import CausalLM
 from .qweight import BlockWeight, product
 
 NATIVE = False  # set by CompiledDecoder: the native gemv kernel was built and loads
 CAPACITY_BUCKET = 256
 GEMV_BLOCK = 16  # rows reduced together: enough independent accumulators to keep the FMAs busy
+
+
+# What the compiled step implements (family.py): the two block kinds below, any activation.
+IMPLEMENTS = frozenset({"block:llama", "block:gpt2", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "window"}
+                       | {f"act:{a}" for a in ACTIVATIONS})
+
+
+def supported(model: CausalLM) -> bool:
+    return model.features() <= IMPLEMENTS
 
 
 def bucketed(capacity: int) -> int:
@@ -124,7 +133,7 @@ class CompiledDecoder:
         global NATIVE
         NATIVE = kernels.available()  # builds it once, before any graph is traced
         self.model = model
-        self.gpt2 = isinstance(model, GPT2Model)
+        self.gpt2 = "block:gpt2" in model.features()
         self.cpu = next(model.parameters()).device.type == "cpu"
         block_fn = _gpt2_block if self.gpt2 else _llama_block
         # GPU: symbolic batch and capacity from the start, so that rows finishing (a smaller

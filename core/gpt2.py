@@ -13,6 +13,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, PlainMLP
 from .errors import UnsupportedModelError
+from .family import Family, attention_parameters
+from .fields import Fields
 from .model import CausalLM, Target
 from .parallel import SINGLE, Shard
 
@@ -51,6 +53,9 @@ class GPT2Model(CausalLM):
     def lm_head_weight(self) -> torch.Tensor:
         return self.wte.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def features(self) -> frozenset[str]:
+        return frozenset({"block:gpt2", f"act:{self.config.hidden_act}", "qkv_bias", "o_bias", "mlp_bias"})
+
     def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(step.positions)
         for block in self.h:
@@ -79,3 +84,42 @@ class GPT2Model(CausalLM):
         t.update({f"transformer.{name}": target for name, target in list(t.items())})
         t["lm_head.weight"] = Target("wte.weight" if c.tie_word_embeddings else "lm_head.weight")
         return t
+
+
+# -- the family's config ---------------------------------------------------------------------------------
+
+def _complete(d: dict) -> None:
+    d.pop("head_dim", None)  # always hidden / heads
+    hidden = d.get("hidden_size")
+    if d.get("intermediate_size") is None and isinstance(hidden, int) and not isinstance(hidden, bool):
+        d["intermediate_size"] = 4 * hidden
+
+
+def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
+    return dict(qkv_bias=True, o_bias=True, mlp_bias=True, scale_attn_weights=f.bool("scale_attn_weights", True),
+                scale_attn_by_inverse_layer_idx=f.bool("scale_attn_by_inverse_layer_idx", False))
+
+
+def parameter_count(c: ModelConfig) -> int:
+    h = c.hidden_size
+    attn = attention_parameters(h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, True, True)
+    mlp = 2 * h * c.intermediate_size + c.intermediate_size + h
+    head = 0 if c.tie_word_embeddings else c.vocab_size * h
+    return c.num_hidden_layers * (attn + mlp + 4 * h) + (c.vocab_size + c.max_position_embeddings) * h + 2 * h + head
+
+
+FAMILY = Family(
+    model_types=("gpt2",),
+    model=GPT2Model,
+    configure=configure,
+    parameter_count=parameter_count,
+    defaults={"gpt2": dict(max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                           hidden_act="gelu_new")},
+    # GPT-2 spells the common fields its own way (transformers' GPT2Config.attribute_map).
+    aliases={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+    complete=_complete,
+    rotary=False,
+    hf_config={"gpt2": "GPT2Config"},
+)

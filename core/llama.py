@@ -11,7 +11,9 @@ import torch
 
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
-from .config import ModelConfig
+from .config import ModelConfig, layer_types_from, size_field
+from .family import Family, attention_parameters
+from .fields import Fields
 from .layers import Embedding, GatedMLP, Linear, RMSNorm
 from .model import CausalLM, Source, Target, columns, fused_rows
 from .parallel import SINGLE, Shard
@@ -55,6 +57,12 @@ class LlamaModel(CausalLM):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def features(self) -> frozenset[str]:
+        c = self.config
+        flags = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias, "mlp_bias": c.mlp_bias, "qk_norm": c.qk_norm,
+                 "window": any(w is not None for w in self.windows), "tp": self.shard.active}
+        return frozenset({"block:llama", f"act:{c.hidden_act}"} | {k for k, v in flags.items() if v})
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         self.rope = RotaryTables(self.config, device, dtype)
@@ -108,3 +116,59 @@ class LlamaModel(CausalLM):
             t[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.input_layernorm.weight")
             t[f"{hf}.post_attention_layernorm.weight"] = Target(f"{ours}.post_attention_layernorm.weight")
         return t
+
+
+# -- the family's config: transformers' defaults and what the flags mean -------------------------------
+
+def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
+    # Biases: llama's attention_bias covers q, k, v and o; qwen2 has q/k/v biases, no o.
+    if model_type in ("llama", "qwen3"):
+        qkv_bias = o_bias = f.bool("attention_bias", False)
+    elif model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:  # mistral
+        qkv_bias = o_bias = False
+    # Sliding windows: mistral applies its window on every layer; qwen2/qwen3 only when
+    # use_sliding_window is set, and then on the layers from max_window_layers on (or as an
+    # explicit layer_types list says). llama has none.
+    window = d.get("sliding_window")
+    layer_types: tuple[str, ...] = ()
+    if model_type == "llama" or (model_type in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False)):
+        window = None
+    if window is not None:
+        window = size_field(f, "sliding_window")
+        if model_type == "mistral":
+            layer_types = ("sliding_attention",) * layers
+        else:
+            given = layer_types_from(f, d, layers)
+            if given is None:
+                first = f.int("max_window_layers", 28, lo=0)
+                given = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+            layer_types = given
+    return dict(qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=f.bool("mlp_bias", False), qk_norm=model_type == "qwen3",
+                sliding_window=window, layer_types=layer_types)
+
+
+def parameter_count(c: ModelConfig) -> int:
+    h = c.hidden_size
+    attn = attention_parameters(h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qkv_bias, c.o_bias)
+    mlp = 3 * h * c.intermediate_size + ((c.intermediate_size + h) if c.mlp_bias else 0)
+    norms = 2 * h + (2 * c.head_dim if c.qk_norm else 0)
+    head = 0 if c.tie_word_embeddings else c.vocab_size * h
+    return c.num_hidden_layers * (attn + mlp + norms) + c.vocab_size * h + h + head
+
+
+_COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+FAMILY = Family(
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    model=LlamaModel,
+    configure=configure,
+    parameter_count=parameter_count,
+    defaults={
+        "llama": dict(_COMMON, max_position_embeddings=2048),
+        "mistral": dict(_COMMON, max_position_embeddings=4096 * 32, sliding_window=4096),
+        "qwen2": dict(_COMMON, max_position_embeddings=32768),
+        "qwen3": dict(_COMMON, max_position_embeddings=32768, head_dim=128),
+    },
+    hf_config={"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"},
+)

@@ -65,6 +65,12 @@ class CausalLM(torch.nn.Module):
     def targets(self) -> dict[str, Target]:
         raise NotImplementedError
 
+    def features(self) -> frozenset[str]:
+        """What a decode step must implement to run this model (family.py): the block kind
+        ("block:llama"), the activation ("act:silu") and each option the model uses
+        ("qk_norm", "window", "tp", ...). A step runs a model only if it implements them all."""
+        raise NotImplementedError
+
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-parameter state (RoPE tables) once the weights are in place."""
 

@@ -1,4 +1,5 @@
-"""Model families by `model_type`, and building a model with uninitialized weights."""
+"""Model families by `model_type` (each family module's FAMILY), and building a model with
+uninitialized weights."""
 
 from __future__ import annotations
 
@@ -8,19 +9,18 @@ import torch
 
 from .config import ModelConfig
 from .hugepages import place_parameters
-from .gpt2 import GPT2Model
-from .llama import LlamaModel
+from . import gpt2, llama
+from .family import Family
 from .model import CausalLM
 from .parallel import SINGLE, Shard
 from .qweight import materialize, store_as_blocks
 
-FAMILIES: dict[str, type[CausalLM]] = {
-    "llama": LlamaModel,
-    "mistral": LlamaModel,
-    "qwen2": LlamaModel,
-    "qwen3": LlamaModel,
-    "gpt2": GPT2Model,
-}
+# Every family module, once: its FAMILY names the model_types it reads (family.py).
+FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, gpt2) for t in m.FAMILY.model_types}
+
+
+def family(model_type: str) -> Family:
+    return FAMILIES[model_type]
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = SINGLE,
@@ -36,7 +36,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device if layouts is None else "meta"):
-            model = FAMILIES[config.model_type](config, shard)
+            model = FAMILIES[config.model_type].model(config, shard)
         if layouts is not None:
             store_as_blocks(model, layouts(model), device)
             materialize(model, device)

@@ -19,7 +19,6 @@ import torch
 
 from . import kernels
 from .cache import KVCache
-from .llama import LlamaModel
 from .model import CausalLM
 from .qweight import BlockWeight
 
@@ -58,11 +57,18 @@ def _weight_ok(w, dtype: torch.dtype) -> bool:
     return w.dtype == dtype and w.is_contiguous()
 
 
+# What decode.c implements (family.py): llama-style blocks (RMSNorm before attention and
+# MLP, fused q/k/v, RoPE from the model's tables, a SiLU-gated MLP), with these options.
+IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+                        "window"})
+
+
 def supported(model: CausalLM) -> bool:
-    """Llama-family models on the CPU in float32 or bfloat16, on one rank, where the native
-    kernels build, with every matrix either a float tensor in the model's dtype or blocks
-    of a type decode.c multiplies. Anything else decodes through PyTorch."""
-    if not isinstance(model, LlamaModel) or model.shard.active:
+    """Models whose features decode.c implements, on the CPU in float32 or bfloat16, on one
+    rank, where the native kernels build, with every matrix either a float tensor in the
+    model's dtype or blocks of a type decode.c multiplies. Anything else decodes through
+    PyTorch."""
+    if not model.features() <= IMPLEMENTS:
         return False
     dtype = model.norm.weight.dtype
     if model.norm.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -103,7 +109,7 @@ class NativeDecoder:
 
     compile_seconds = 0.0
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: CausalLM):
         c = model.config
         self.model = model
         self.lib = kernels.library()
