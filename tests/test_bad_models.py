@@ -48,7 +48,9 @@ def break_model_type(folder):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "bert"
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3"
+    from twice.core.models import FAMILIES
+
+    return f"model_type 'bert' is not supported; supported: {', '.join(sorted(FAMILIES))}"
 
 
 def break_no_config(folder):

@@ -1,0 +1,61 @@
+"""The family registry (core/family.py, core/models.py): one FAMILY per family module, found
+by model_type; decode steps chosen by declared features."""
+
+import importlib
+
+import pytest
+import torch
+
+from twice.core import fastpath, native_decode
+from twice.core.config import config_from_dict
+from twice.core.errors import UnsupportedModelError
+from twice.core.models import FAMILIES, family
+from twice.weights.load import load
+
+
+def test_every_model_type_names_its_transformers_config():
+    transformers = pytest.importorskip("transformers")
+    for model_type, fam in FAMILIES.items():
+        assert model_type in fam.model_types
+        name = fam.hf_config[model_type]
+        assert getattr(transformers, name)().model_type == model_type, (model_type, name)
+
+
+def test_each_family_module_declares_one_family():
+    seen = {}
+    for fam in FAMILIES.values():
+        seen.setdefault(id(fam), fam)
+    modules = {importlib.import_module(f.model.__module__) for f in seen.values()}
+    assert all(m.FAMILY.model in [f.model for f in seen.values()] for m in modules)
+    assert len(modules) == len(seen)  # no module registers two families
+
+
+def test_unknown_model_type_lists_the_registry():
+    with pytest.raises(UnsupportedModelError) as e:
+        config_from_dict({"model_type": "bert"})
+    assert str(e.value).endswith("supported: " + ", ".join(sorted(FAMILIES)))
+
+
+def test_parameter_count_is_the_familys(model_dirs):
+    for name in ("llama", "gpt2"):
+        ours = load(str(model_dirs(name)), device="cpu", dtype="float32")
+        assert ours.config.parameter_count() == family(ours.config.model_type).parameter_count(ours.config)
+        stored = {p.data_ptr(): p.numel() for p in ours.model.parameters()}
+        assert ours.config.parameter_count() == sum(stored.values())
+
+
+def test_a_feature_no_step_implements_runs_eager(model_dirs, monkeypatch):
+    """A model declaring a feature the steps do not know decodes through the eager layers."""
+    from twice.core.engine import Engine
+
+    ours = load(str(model_dirs("llama")), device="cpu", dtype="float32")
+    declared = ours.model.features()
+    assert declared == {"block:llama", "act:silu"}
+    assert fastpath.supported(ours.model)
+    monkeypatch.setattr(type(ours.model), "features", lambda self: declared | {"something-new"})
+    assert not native_decode.supported(ours.model)
+    assert not fastpath.supported(ours.model)
+    engine = Engine(ours.model, ours.tokenizer, ours.eos_token_ids, compile=True)
+    assert engine.decode_path == "eager"
+    with torch.inference_mode():
+        assert engine.fast is None
