@@ -30,6 +30,7 @@ from .qweight import weight_formats
 from .native_decode import supported as native_supported
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
+from . import speculative
 from .stopping import StopMatcher
 
 CAPACITY_ROUNDING = 64  # session caches grow in steps of this many tokens
@@ -53,8 +54,13 @@ class GenerationSettings:
     ignore_eos: bool = False
     prefill_chunk: int | None = None  # prefill at most this many tokens per forward pass
     truncate: str | None = None  # "left": drop the start of a prompt that does not fit the context
+    # Speculative decoding (speculative.py): prompt lookup proposes (else the Engine's draft
+    # model, if it has one); draft_tokens fixes the guesses per pass (None: adaptive).
+    lookup: bool = False
+    draft_tokens: int | None = None
 
     def __post_init__(self):
+        speculative.check_draft_tokens(self.draft_tokens)
         if self.truncate not in (None, "left"):
             raise PromptError(f"truncate must be 'left' (or not given), got {self.truncate!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -101,6 +107,7 @@ class TokenEvent:
     step_seconds: float  # wall time of the step that produced it (prefill for index 0)
     elapsed: float  # seconds since the request started
     cache: CacheStats
+    speculation: speculative.SpeculationStats | None = None  # live counts while speculating
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,8 @@ class GenerationResult:
     decode_path: str = "eager"  # decode step: native (kernels/decode.c) | compiled | eager
     batch_invariant: bool = False  # a batch row's tokens are bit for bit its prompt's alone (Engine.batch_invariant)
     weight_format: dict = field(default_factory=dict)  # qweight.weight_formats: types, bits per weight
+    active_weight_bytes: int = 0  # weights one decode step reads (a mixture of experts: its chosen experts'); 0: all
+    speculation: dict | None = None  # speculative.SpeculationStats.to_dict, when speculating
 
     @property
     def generated_tokens(self) -> int:
@@ -151,12 +160,14 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
     def bytes_read_per_token(self) -> int:
-        """Weights plus the mean KV cache read per decode step (one row)."""
+        """Weights (those a step reads: a mixture of experts' chosen experts) plus the mean KV
+        cache read per decode step (one row)."""
+        weights = self.active_weight_bytes or self.weight_bytes
         if self.generated_tokens <= 1:
-            return self.weight_bytes
+            return weights
         first = self.prompt_tokens
         last = self.prompt_tokens + self.generated_tokens - 1
-        return self.weight_bytes + self.cache.bytes_per_token * (first + last) // 2
+        return weights + self.cache.bytes_per_token * (first + last) // 2
 
     def to_dict(self) -> dict:
         return {
@@ -188,9 +199,11 @@ class GenerationResult:
             },
             "peak_memory_bytes": self.peak_memory_bytes,
             "weight_bytes": self.weight_bytes,
+            "active_weight_bytes": self.active_weight_bytes or self.weight_bytes,
             "weights": self.weight_format,
             "device": self.device,
             "dtype": self.dtype,
+            **({"speculation": self.speculation} if self.speculation is not None else {}),
         }
 
 
@@ -245,8 +258,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
-                 compile: bool = False, native: bool = True):
+                 compile: bool = False, native: bool = True, draft: CausalLM | None = None):
         self.model = model
+        # A draft model for speculative decoding (speculative.Draft: its own KV cache).
+        self.draft = speculative.Draft(draft, native=native) if draft is not None else None
         # The decode step: native (one C call per step, llama family on the CPU, any batch,
         # used wherever it applies), else compiled when asked (fastpath.py, batch 1), else
         # None = eager everywhere. (Neither under tensor parallelism: its all-reduces run in the
@@ -265,6 +280,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.context_length = self.config.max_position_embeddings
         self.weight_bytes = model.weight_bytes()
+        self.active_weight_bytes = model.active_weight_bytes()
         self.weight_format = weight_formats(model)
         self.cache: KVCache | None = None  # the session cache of `generate`
         self.cached_ids: list[int] = []  # the tokens whose keys/values it holds
@@ -278,6 +294,8 @@ class Engine:
     def reset(self) -> None:
         """Forget the session cache (the next call prefills from scratch)."""
         self.cache, self.cached_ids = None, []
+        if self.draft is not None:
+            self.draft.reset()
 
     def cache_stats(self, cache: KVCache | None = None) -> CacheStats:
         cache = cache or self.cache
@@ -325,7 +343,20 @@ class Engine:
         synchronize(self.device)
         prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
+        if (speculator := self._speculator(settings)) is not None:
+            yield from speculative.decode(self, row, self.cache, sampler, logits, start, prefill_seconds, speculator)
+            return
         yield from self._decode([row], self.cache, sampler, logits, start, prefill_seconds, track=True)
+
+    def _speculator(self, settings: GenerationSettings) -> speculative.Speculator | None:
+        """Who proposes tokens for `generate` (speculative.py), or None: decode plainly."""
+        if settings.lookup and self.draft is not None:
+            raise PromptError("--lookup and --draft exclude each other (choose one proposer)")
+        if settings.lookup:
+            return speculative.Speculator(speculative.Lookup(), settings.draft_tokens)
+        if self.draft is not None:
+            return speculative.Speculator(self.draft, settings.draft_tokens)
+        return None
 
     def generate_batch(self, requests: list[Request], settings: list[GenerationSettings]) -> Iterator[Event]:
         """Generate for several prompts together (greedy results equal running each alone).
@@ -349,6 +380,9 @@ class Engine:
             rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(), time.perf_counter() - t, 0))
         if not rows:
             return
+        if self.draft is not None or any(r.settings.lookup for r in rows):
+            yield Notice("speculative decoding serves one sequence at a time (twice generate, twice chat); "
+                         "this batch decodes without it")
         for row in rows:
             if row.clamped:
                 yield Notice(f"max new tokens lowered from {row.settings.max_new_tokens} to {row.max_new} "
@@ -640,4 +674,5 @@ class Engine:
             decode_path=self.decode_path if self._fast_ready(cache) else "eager",
             batch_invariant=self.batch_invariant and self._fast_ready(cache),
             weight_format=self.weight_format,
+            active_weight_bytes=self.active_weight_bytes,
         )

@@ -54,6 +54,7 @@ class Sampler:
 
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device):
         self.params = list(params)
+        self.vocab_size = vocab_size
         self.generators = []
         for p in self.params:
             g = None
@@ -78,13 +79,30 @@ class Sampler:
         return torch.stack([self._one(row, logits[row]) for row in range(logits.shape[0])])
 
     def _one(self, row: int, logits: torch.Tensor) -> torch.Tensor:
+        x = self._penalized(row, logits)
+        if self.params[row].greedy:
+            return x.argmax()
+        probs, candidates = self._filtered(row, x)
+        chosen = self.draw(row, probs)
+        return chosen if candidates is None else candidates[chosen]
+
+    def _penalized(self, row: int, logits: torch.Tensor, extra: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """The row's logits as float32 after its repetition penalty; `extra` tokens count as
+        seen too (speculative decoding's proposals before this position)."""
         p = self.params[row]
         x = logits.float()
         if p.repetition_penalty != 1.0:
             seen = self.seen[row]
+            if extra:
+                seen = seen.clone()
+                seen[torch.tensor(list(extra), device=seen.device)] = True
             x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
-        if p.greedy:
-            return x.argmax()
+        return x
+
+    def _filtered(self, row: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(probabilities after temperature, top-k, top-p and min-p, the token ids they are of:
+        None = the whole vocabulary) from penalized logits `x` of a sampling row."""
+        p = self.params[row]
         candidates = None
         if p.top_k and p.top_k < x.shape[-1]:
             # Everything after top-k runs on the k candidates instead of the whole vocabulary:
@@ -109,9 +127,36 @@ class Sampler:
             probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return probs, candidates
+
+    def draw(self, row: int, probs: torch.Tensor) -> torch.Tensor:
+        """An index drawn from (unnormalized) probabilities `probs` with the row's generator."""
         noise = torch.empty_like(probs).exponential_(1.0, generator=self.generators[row])
-        chosen = (probs / noise).argmax()
-        return chosen if candidates is None else candidates[chosen]
+        return (probs / noise).argmax()
+
+    def uniform(self, row: int) -> float:
+        """A uniform draw in [0, 1) from the row's generator (speculative acceptance)."""
+        g = self.generators[row]
+        return float(torch.rand((), generator=g, device=g.device))
+
+    def pick(self, row: int, logits: torch.Tensor, extra: list[int] | tuple[int, ...] = ()) -> int:
+        """A greedy row's token from `logits` [V], `extra` tokens counted as seen (the
+        repetition penalty), as `__call__` would choose it."""
+        if self.all_greedy:
+            return int(self(logits.unsqueeze(0))[0])
+        return int(self._penalized(row, logits, extra).argmax())
+
+    def distribution(self, row: int, logits: torch.Tensor, extra: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """A sampling row's next-token probabilities over the whole vocabulary [V] (float32,
+        summing to 1): its whole processing, exactly as `__call__` samples from, with `extra`
+        tokens counted as seen (speculative decoding: the proposals before this position)."""
+        probs, candidates = self._filtered(row, self._penalized(row, logits, extra))
+        probs = probs / probs.sum()
+        if candidates is None:
+            return probs
+        full = torch.zeros(logits.shape[-1], dtype=probs.dtype, device=probs.device)
+        full[candidates] = probs
+        return full
 
     def observe(self, tokens: torch.Tensor) -> None:
         """Record the tokens just chosen (for the repetition penalty)."""

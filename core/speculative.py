@@ -1,0 +1,479 @@
+"""Speculative decoding: something cheap proposes the next tokens, the model verifies them
+all in one forward pass.
+
+A decode step reads every weight to produce one token; a forward of K + 1 tokens reads them
+once for all K + 1 positions. So a proposer guesses K tokens, the target runs ONE pass over
+[last token, guess 1 .. guess K] (`model(ids, cache, all_logits=True)`: the eager layers take
+several new tokens after cached ones; block-quantized weights go through the integer kernel
+for up to 64 rows), and keeps the longest run of guesses it agrees with plus one token of its
+own: between 1 and K + 1 tokens a pass.
+
+Proposers:
+- `Draft`: a second, smaller model with its own KV cache (same token ids as the target).
+- `Lookup`: prompt lookup (n-gram drafting, llama.cpp's ngram-simple, transformers'
+  prompt_lookup_num_tokens): the longest n-gram (n = 3, 2, 1) that ends the text so far and
+  occurred before, in the prompt or the generated text; its most recent earlier occurrence's
+  continuation is the guess. No second model; free to compute.
+
+Acceptance (`verify`):
+- greedy: a guess is kept while it equals the target's argmax at its position; the target's
+  argmax after the last kept guess is the extra token. Identical tokens to decoding without
+  speculation (up to the last bits of a K + 1-token pass against a one-token step).
+- sampling (Leviathan et al. 2023, Chen et al. 2023): keep guess d with probability
+  min(1, p(d) / q(d)); on rejection draw from norm(max(0, p − q)) and stop; after K kept
+  guesses draw the extra token from p. p and q are the target's and the proposer's
+  distributions after the row's whole processing (repetition penalty, temperature, top-k,
+  top-p, min-p: sampling.Sampler.distribution), so the kept tokens follow exactly the
+  distribution decoding without speculation samples from. A deterministic proposer (lookup)
+  has q one-hot. Every draw comes from the row's seeded generator: a seed reproduces a run.
+
+Rollback: after a pass, the target's cache is truncated to the tokens kept (KVCache.length;
+the columns beyond are dead and overwritten by the next writes), and the draft's cache to the
+longest prefix it shares with the text. A chat turn after a speculative turn reuses the cache
+exactly as after a plain one.
+
+How many tokens to propose (`Adaptive`): from the measured acceptance rate a (a kept guess
+counts as a success, the first rejected one of a pass as a failure; the guesses after it are
+never judged), the measured time of a draft step c, of a verify pass v(K) (a line fitted to
+the sizes measured) and of a plain decode step s, the expected tokens of a pass with K guesses
+are (1 − a^(K+1)) / (1 − a) (Leviathan et al.), so the rate is that over K·c + v(K); K in 1..8
+maximizes it, or no drafting where the best rate is below 1 / s. While not drafting, a pass
+with guesses is retried after 8, 16, ..., 128 plain steps to see whether things changed.
+`draft_tokens` fixes K.
+
+This module never prints; the engine yields its events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .errors import PromptError, TwiceError
+
+MAX_DRAFT_TOKENS = 32  # --draft-tokens above this: refused
+ADAPTIVE_MAX = 8  # adaptive K stays in 1..8
+PROBES = (3, 6)  # the first verify sizes measured (two points for the cost line)
+RETRY_FIRST, RETRY_MOST = 8, 128  # plain steps before trying guesses again (doubling)
+DECAY = 0.95  # weight of the past in the acceptance counts, per pass
+EMA = 0.3  # weight of a new time measurement
+
+
+class DraftError(TwiceError):
+    """A draft model that cannot serve this target (vocabularies disagree)."""
+
+
+def check_draft_tokens(k: int | None) -> None:
+    if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_TOKENS):
+        raise PromptError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS} (default: adaptive), got {k}")
+
+
+def check_vocabularies(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """The draft proposes token ids the target reads as the same tokens: every token both
+    tokenizers have must have the same id in both, and every id the target's tokenizer makes
+    must be one the draft has. A larger draft vocabulary (padding, extra tokens) is fine."""
+    t, d = target_tokenizer.hf.get_vocab(with_added_tokens=True), draft_tokenizer.hf.get_vocab(with_added_tokens=True)
+    for token, i in t.items():
+        j = d.get(token)
+        if j is not None and j != i:
+            raise DraftError(f"the draft model's tokenizer gives {token!r} the id {j:,}, the model's gives it {i:,}: "
+                             "a draft must share the model's vocabulary")
+    largest = max(t.values(), default=-1)
+    if largest >= draft_vocab:
+        raise DraftError(f"the draft model's vocabulary has {draft_vocab:,} ids, the model's tokenizer uses ids up to "
+                         f"{largest:,}: a draft must share the model's vocabulary")
+    missing = [token for token in t if token not in d]
+    if missing:
+        raise DraftError(f"the draft model's tokenizer lacks {len(missing):,} of the model's tokens (e.g. "
+                         f"{missing[0]!r}): a draft must share the model's vocabulary")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# -- statistics ------------------------------------------------------------------------
+@dataclass
+class SpeculationStats:
+    proposer: str  # "draft" | "lookup"
+    proposed: int = 0  # guesses verified
+    accepted: int = 0  # of those, kept
+    passes: int = 0  # target forward passes after the first token (verify passes + plain steps)
+    verify_passes: int = 0
+    tokens: int = 0  # tokens those passes produced
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    plain_seconds: float = 0.0
+    fixed_k: int | None = None
+    k_used: dict = field(default_factory=dict)  # K -> passes with that many guesses (0: plain steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+    @property
+    def mean_accepted_run(self) -> float:
+        """Guesses kept per verify pass."""
+        return self.accepted / self.verify_passes if self.verify_passes else 0.0
+
+    def to_dict(self, decode_seconds: float = 0.0, generated: int = 0) -> dict:
+        n = generated - 1
+        without = decode_seconds - self.draft_seconds
+        return {
+            "proposer": self.proposer,
+            "draft_tokens": self.fixed_k if self.fixed_k is not None else "adaptive",
+            "proposals": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_run": self.mean_accepted_run,
+            "target_passes": self.passes,
+            "verify_passes": self.verify_passes,
+            "tokens_per_target_pass": self.tokens_per_pass,
+            "draft_s": self.draft_seconds,
+            "verify_s": self.verify_seconds,
+            "plain_step_s": self.plain_seconds,
+            "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
+            "decode_tokens_per_s": n / decode_seconds if n > 0 and decode_seconds > 0 else 0.0,
+            "decode_tokens_per_s_without_draft": n / without if n > 0 and without > 0 else 0.0,
+        }
+
+
+# -- choosing K ------------------------------------------------------------------------
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify pass with k guesses yields when each guess is kept with probability a."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def predicted_speedup(a: float, k: int, draft_step: float, verify: float, step: float) -> float:
+    """The standard formula: tokens per pass over the pass's cost, against one token a step."""
+    return expected_tokens(a, k) * step / (k * draft_step + verify)
+
+
+class Adaptive:
+    """Chooses the number of guesses for the next pass from measured costs (module doc)."""
+
+    def __init__(self, fixed: int | None = None, most: int = ADAPTIVE_MAX):
+        self.fixed, self.most = fixed, most
+        self.step: float | None = None  # plain decode step, seconds
+        self.draft: float | None = None  # one draft token, seconds
+        self.verify: dict[int, float] = {}  # guesses -> verify pass seconds
+        self.kept, self.judged = 1.0, 2.0  # acceptance counts (a prior of 1/2)
+        self.plain_run = 0
+        self.retry = RETRY_FIRST
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.judged
+
+    def verify_cost(self, k: int) -> float:
+        """v(k): a least-squares line over the measured sizes (through the plain step when
+        only one size is measured)."""
+        points = sorted(self.verify.items())
+        if len(points) == 1 and self.step is not None:
+            points = [(0, self.step)] + points
+        if len(points) == 1:
+            return points[0][1]
+        n = len(points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+        return max(my + slope * (k - mx), 1e-9)
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per second of passes with k guesses (0: plain steps)."""
+        if k == 0:
+            return 1.0 / self.step if self.step else 0.0
+        return expected_tokens(self.acceptance, k) / (k * (self.draft or 0.0) + self.verify_cost(k))
+
+    def best(self) -> int:
+        return max(range(1, self.most + 1), key=self.rate)
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.step is None:
+            return 0  # measure a plain step first
+        for k in PROBES:
+            if k not in self.verify and k <= self.most:
+                return k
+        k = self.best()
+        if self.rate(k) > self.rate(0):
+            self.retry = RETRY_FIRST
+            return k
+        if self.plain_run >= self.retry:  # look again: the text may have changed
+            self.retry = min(2 * self.retry, RETRY_MOST)
+            return k
+        return 0
+
+    def record_plain(self, seconds: float) -> None:
+        self.step = seconds if self.step is None else (1 - EMA) * self.step + EMA * seconds
+        self.plain_run += 1
+
+    def record_pass(self, k: int, kept: int, rejected: bool, draft_seconds: float, verify_seconds: float) -> None:
+        self.plain_run = 0
+        per = draft_seconds / k
+        self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per
+        old = self.verify.get(k)
+        self.verify[k] = verify_seconds if old is None else (1 - EMA) * old + EMA * verify_seconds
+        self.kept = DECAY * self.kept + kept
+        self.judged = DECAY * self.judged + kept + (1 if rejected else 0)
+
+
+# -- proposers -------------------------------------------------------------------------
+class Lookup:
+    """Prompt lookup: guesses from the most recent earlier occurrence of the longest
+    n-gram (3, 2, 1 tokens) that ends the text. An index of n-gram → latest start (with at
+    least one token after it) grows with the text; a text that is not an extension of the
+    indexed one (a new chat turn that edits the past) is indexed anew."""
+
+    name = "lookup"
+    deterministic = True
+    N = (3, 2, 1)
+
+    def __init__(self):
+        self.seq: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def _extend(self, seq: list[int]) -> None:
+        old = len(self.seq)
+        if len(seq) < old or seq[:old] != self.seq:
+            self.seq, self.index, old = [], {}, 0
+        # Starts i whose n-gram has a next token: i + n < len(seq); new ones are those with
+        # i + n >= old (they had no next token before).
+        for n in self.N:
+            for i in range(max(0, old - n), len(seq) - n):
+                self.index[tuple(seq[i:i + n])] = i
+        self.seq = list(seq)
+
+    def propose(self, seq: list[int], k: int, sampler, row: int) -> tuple[list[int], None]:
+        self._extend(seq)
+        for n in self.N:
+            if len(seq) <= n:
+                continue
+            i = self.index.get(tuple(seq[-n:]))
+            if i is not None:
+                return seq[i + n:i + n + k], None
+        return [], None
+
+    def reset(self) -> None:
+        self.seq, self.index = [], {}
+
+
+class Draft:
+    """A second model proposing by decoding greedily (or sampling, with the target's
+    processing) from its own KV cache, which keeps the longest prefix of the text it
+    shares with the previous call."""
+
+    name = "draft"
+    deterministic = False
+
+    def __init__(self, model, native: bool = True):
+        from .native_decode import NativeDecoder
+        from .native_decode import supported as native_supported
+
+        self.model = model
+        self.fast = NativeDecoder(model) if native and native_supported(model) else None
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.context = model.config.max_position_embeddings
+        self.cache: KVCache | None = None
+        self.ids: list[int] = []  # the tokens whose keys/values the cache holds
+
+    def reset(self) -> None:
+        self.cache, self.ids = None, []
+
+    def _room(self, needed: int) -> int:
+        """Columns the cache can have for `needed` (grown in steps of 64, at most the draft's context)."""
+        want = min(-(-needed // 64) * 64, self.context)
+        if self.cache is None:
+            self.cache = KVCache(self.model.config, 1, want, self.dtype, self.device, kv_heads=self.model.kv_heads)
+        else:
+            self.cache.grow(want)
+        return self.cache.capacity
+
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens at the cache's end; the last position's logits [V] float32."""
+        if len(tokens) == 1 and self.fast is not None and self.fast.supports(self.cache):
+            out = self.fast(torch.tensor([tokens], device=self.device), self.cache)
+        else:
+            out = self.model(torch.tensor([tokens], device=self.device), self.cache)
+        return out[0].float()
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k: int, sampler, row: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k guesses after `seq`, and (sampling) their distributions q [k, V]."""
+        capacity = self._room(len(seq) + k - 1)
+        k = min(k, capacity - len(seq) + 1)
+        if k < 1:
+            return [], None
+        reused = min(_common_prefix(self.ids, seq), len(seq) - 1)
+        self.ids = self.ids[:reused]
+        self.cache.truncate(reused)
+        vocab = sampler.vocab_size
+        logits = self._logits(seq[reused:])
+        self.ids = list(seq)
+        greedy = sampler.params[row].greedy
+        guesses: list[int] = []
+        qs = []
+        for j in range(k):
+            logits = _fit(logits, vocab)
+            if greedy:
+                guesses.append(sampler.pick(row, logits, guesses))
+            else:
+                q = sampler.distribution(row, logits, guesses)
+                qs.append(q)
+                guesses.append(int(sampler.draw(row, q)))
+            if j + 1 < k:
+                logits = self._logits([guesses[-1]])
+                self.ids.append(guesses[-1])
+        return guesses, (torch.stack(qs) if qs else None)
+
+    def rollback(self, seq: list[int]) -> None:
+        """Keep only the cached prefix `seq` starts with (the rejected guesses leave)."""
+        keep = _common_prefix(self.ids, seq)
+        self.ids = self.ids[:keep]
+        if self.cache is not None:
+            self.cache.truncate(keep)
+
+
+def _fit(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft's logits over the target's vocabulary (a larger draft vocabulary is cut;
+    a smaller one's missing ids can never be guessed)."""
+    if logits.shape[-1] == vocab:
+        return logits
+    if logits.shape[-1] > vocab:
+        return logits[..., :vocab]
+    pad = torch.full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"), dtype=logits.dtype,
+                     device=logits.device)
+    return torch.cat([logits, pad], dim=-1)
+
+
+# -- verification ----------------------------------------------------------------------
+def verify(sampler, row: int, logits: torch.Tensor, guesses: list[int],
+           q: torch.Tensor | None) -> tuple[list[int], int]:
+    """The tokens a verify pass yields and how many guesses were kept. `logits` [K+1, V]:
+    the target's at [last, guess 1 .. guess K]; q [K, V] the proposer's distributions (None:
+    a deterministic proposer, q one-hot)."""
+    k = len(guesses)
+    if sampler.params[row].greedy:
+        if sampler.all_greedy:  # one argmax over all positions
+            picks = sampler(logits).tolist()
+        else:
+            picks = [sampler.pick(row, logits[j], guesses[:j]) for j in range(k + 1)]
+        n = 0
+        while n < k and picks[n] == guesses[n]:
+            n += 1
+        return guesses[:n] + [picks[n]], n
+    for j, d in enumerate(guesses):
+        p = sampler.distribution(row, logits[j], guesses[:j])
+        qd = float(q[j, d]) if q is not None else 1.0
+        if sampler.uniform(row) * qd < float(p[d]):  # kept with probability min(1, p(d)/q(d))
+            continue
+        if q is not None:
+            residual = torch.clamp(p - q[j].to(p.dtype), min=0.0)
+        else:
+            residual = p.clone()
+            residual[d] = 0.0
+        if not float(residual.sum()) > 0.0:  # p = q up to rounding: rejection had probability 0
+            residual = p
+        return guesses[:j] + [int(sampler.draw(row, residual))], j
+    p = sampler.distribution(row, logits[k], guesses)
+    return guesses + [int(sampler.draw(row, p))], k
+
+
+# -- the decode loop -------------------------------------------------------------------
+class Speculator:
+    """One proposer, its K controller and statistics, serving Engine.generate."""
+
+    def __init__(self, proposer, fixed_k: int | None):
+        self.proposer = proposer
+        self.adaptive = Adaptive(fixed_k)
+        self.stats = SpeculationStats(proposer.name, fixed_k=fixed_k)
+
+    def round(self, engine, seq: list[int], cache: KVCache, sampler, room: int) -> tuple[list[int], float]:
+        """One target pass after `seq` (the cache holds all of it but its last token), with
+        at most `room` guesses: (the tokens it yields, seconds)."""
+        k = min(self.adaptive.choose(), room)
+        guesses, q, draft_seconds = [], None, 0.0
+        t0 = time.perf_counter()
+        if k > 0:
+            guesses, q = self.proposer.propose(seq, k, sampler, 0)
+            draft_seconds = time.perf_counter() - t0
+        s = self.stats
+        if not guesses:
+            t = time.perf_counter()
+            chosen = engine._step(torch.tensor([[seq[-1]]], device=engine.device), cache, sampler)
+            token = int(chosen[0])
+            seconds = time.perf_counter() - t
+            self.adaptive.record_plain(seconds)
+            s.passes, s.tokens, s.plain_seconds = s.passes + 1, s.tokens + 1, s.plain_seconds + seconds
+            s.draft_seconds += draft_seconds
+            s.k_used[0] = s.k_used.get(0, 0) + 1
+            return [token], seconds + draft_seconds
+        t1 = time.perf_counter()
+        start = cache.length
+        with torch.inference_mode(), engine._out_of_memory(cache, f"verifying {len(guesses)} proposed tokens at "
+                                                                  f"{cache.length} tokens"):
+            logits = engine.model(torch.tensor([[seq[-1], *guesses]], device=engine.device), cache, all_logits=True)
+            tokens, kept = verify(sampler, 0, logits[0], guesses, q)
+            cache.truncate(start + 1 + kept)
+            for t in tokens:
+                sampler.observe(torch.tensor([t], device=engine.device))
+        verify_seconds = time.perf_counter() - t1
+        if isinstance(self.proposer, Draft):
+            self.proposer.rollback(seq + tokens)
+        self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds)
+        s.proposed, s.accepted = s.proposed + len(guesses), s.accepted + kept
+        s.passes, s.verify_passes, s.tokens = s.passes + 1, s.verify_passes + 1, s.tokens + len(tokens)
+        s.draft_seconds, s.verify_seconds = s.draft_seconds + draft_seconds, s.verify_seconds + verify_seconds
+        s.k_used[len(guesses)] = s.k_used.get(len(guesses), 0) + 1
+        return tokens, draft_seconds + verify_seconds
+
+
+def decode(engine, row, cache: KVCache, sampler, logits: torch.Tensor, start: float, prefill_seconds: float,
+           speculator: Speculator):
+    """Engine.generate's decode loop with speculation (one row, the session cache): the
+    same events as the plain loop, several tokens per target pass. A stop string or an
+    end-of-turn token inside a kept run ends generation at that token; max_new_tokens is
+    never exceeded (a pass proposes at most the tokens left less one)."""
+    from .engine import Done, TokenEvent
+
+    with torch.inference_mode():
+        chosen = sampler(logits)
+        sampler.observe(chosen)
+    pending = [int(chosen[0])]
+    step_seconds = prefill_seconds
+    while True:
+        now = time.perf_counter()
+        for token in pending:
+            text = engine._accept(row, token, now, step_seconds)
+            yield TokenEvent(row.index, token, text, len(row.generated) - 1, step_seconds, now - start,
+                             engine.cache_stats(cache), speculator.stats)
+            if row.finish:
+                break
+        seq = row.ids + row.generated
+        if row.finish:
+            # As after a plain decode: the cache holds the text but its last token.
+            cache.truncate(len(seq) - 1)
+            engine.cached_ids = seq[:cache.length]
+            result = engine._result(row, cache, start, prefill_seconds, 0)
+            result.speculation = speculator.stats.to_dict(result.decode_seconds, result.generated_tokens)
+            yield Done(row.index, result)
+            return
+        room = row.max_new - len(row.generated) - 1
+        pending, seconds = speculator.round(engine, seq, cache, sampler, room)
+        engine.cached_ids = (seq + pending)[:cache.length]
+        step_seconds = seconds / len(pending)
