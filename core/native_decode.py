@@ -26,7 +26,16 @@ from .qweight import BlockWeight
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
                                                     "layers")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int64)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int64),
+        # What the newer families need (decode.c's Dims; zero = llama's).
+        ("cos_local", ctypes.c_void_p), ("sin_local", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("block", "norm", "act", "qk_full", "rot")] + [
+        (name, ctypes.c_float) for name in ("attn_cap", "final_cap", "embed_scale", "pad_")]
+
+
+BLOCKS = {"block:llama": 0, "block:sandwich": 1, "block:post_norm": 2}
+NORM_LLAMA, NORM_OFFSET1, NORM_WEIGHT_F32 = 0, 1, 2
+ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
 
 _VECTORS = ("in_norm", "qkv_bias", "q_norm", "k_norm", "o_bias", "post_norm", "gate_up_bias", "down_bias")
@@ -47,7 +56,8 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in _VECTORS] + [(name, _Weight) for name in _MATRICES]
-                + [("window", ctypes.c_int64)])
+                + [("window", ctypes.c_int64), ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p),
+                   ("local", ctypes.c_int64)])
 
 
 def _weight_ok(w, dtype: torch.dtype) -> bool:
@@ -58,29 +68,111 @@ def _weight_ok(w, dtype: torch.dtype) -> bool:
 
 
 # What decode.c implements (family.py): llama-style blocks (RMSNorm before attention and
-# MLP, fused q/k/v, RoPE from the model's tables, a SiLU-gated MLP), with these options.
+# MLP, fused q/k/v, RoPE from the model's tables, a SiLU-gated MLP), with these options, and
+# what the newer families add; each is listed here only once a test runs a family that uses
+# it against that family's eager layers (tests/test_native_families.py).
 IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
-                        "window"})
+                        "window",
+                        "block:post_norm", "qk_norm:full"})
+
+
+def _block_norms(block, kind: int) -> dict:
+    """The norm weights decode.c's Layer takes, by its names, for a block of this kind."""
+    def get(name):
+        return getattr(getattr(block, name, None), "weight", None)
+
+    if kind == BLOCKS["block:llama"]:
+        return {"in_norm": get("input_layernorm"), "post_norm": get("post_attention_layernorm")}
+    if kind == BLOCKS["block:sandwich"]:
+        return {"in_norm": get("input_layernorm"), "post_norm": get("post_attention_layernorm"),
+                "pre_ff_norm": get("pre_feedforward_layernorm"), "post_ff_norm": get("post_feedforward_layernorm")}
+    return {"post_norm": get("post_attention_layernorm"), "post_ff_norm": get("post_feedforward_layernorm")}
+
+
+def _block_kind(features: frozenset[str]) -> int | None:
+    kinds = [BLOCKS[f] for f in features if f in BLOCKS]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def _activation(features: frozenset[str]) -> int | None:
+    acts = {ACTS.get(f.removeprefix("act:")) for f in features if f.startswith("act:")}
+    return acts.pop() if len(acts) == 1 and None not in acts else None
+
+
+def _norm_modules(model: CausalLM) -> list:
+    out = [model.norm]
+    for block in model.layers:
+        out += [getattr(block, n, None) for n in ("input_layernorm", "post_attention_layernorm",
+                                                  "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        out += [block.self_attn.q_norm, block.self_attn.k_norm]
+    return [m for m in out if m is not None]
+
+
+def _norm_reference(kind: int, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    f = x.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == NORM_OFFSET1:
+        return (f * (1.0 + w.float())).to(x.dtype)
+    if kind == NORM_WEIGHT_F32:
+        return (w * f).to(x.dtype)
+    return w * f.to(x.dtype)
+
+
+@torch.inference_mode()
+def norm_kind(model: CausalLM) -> int | None:
+    """Which of decode.c's RMSNorms the model's norms compute: Gemma's (1 + w) where the model
+    declares "norm:offset1", else llama's (round, then scale) or OLMo 2's (scale in float32,
+    then round), which differ only in bfloat16. Measured on probe rows through every norm
+    module (all agree with one kind to rounding, or no kind fits: None), so no norm runs
+    natively that the eager layers compute another way."""
+    kinds = [NORM_OFFSET1] if "norm:offset1" in model.features() else [NORM_LLAMA, NORM_WEIGHT_F32]
+    eps = model.config.rms_norm_eps
+    norms = _norm_modules(model)
+    probes = {}
+    for m in norms:
+        key = (m.weight.shape[0], m.weight.dtype)
+        if key not in probes:
+            g = torch.Generator().manual_seed(key[0])
+            probes[key] = (torch.randn(3, key[0], generator=g) * 3).to(key[1])
+    for kind in kinds:
+        if all(torch.allclose(m(probes[m.weight.shape[0], m.weight.dtype]).float(),
+                              _norm_reference(kind, probes[m.weight.shape[0], m.weight.dtype], m.weight, eps).float(),
+                              rtol=1e-5, atol=1e-6)
+               for m in norms):
+            return kind
+    return None
 
 
 def supported(model: CausalLM) -> bool:
     """Models whose features decode.c implements, on the CPU in float32 or bfloat16, on one
     rank, where the native kernels build, with every matrix either a float tensor in the
-    model's dtype or blocks of a type decode.c multiplies. Anything else decodes through
-    PyTorch."""
-    if not model.features() <= IMPLEMENTS:
+    model's dtype or blocks of a type decode.c multiplies, and every norm one decode.c
+    computes (norm_kind). Anything else decodes through PyTorch."""
+    features = model.features()
+    if not features <= IMPLEMENTS:
         return False
     dtype = model.norm.weight.dtype
     if model.norm.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    kind, act = _block_kind(features), _activation(features)
+    if kind is None or act is None or model.config.head_dim > 1024:
         return False
     matrices = [model.lm_head_weight, model.embed_tokens.weight]
     for block in model.layers:
         a, m = block.self_attn, block.mlp
         matrices += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
-    return (model.config.hidden_act in ("silu", "swish") and model.config.head_dim <= 1024
-            and all(p.is_contiguous() and p.dtype == dtype for p in model.parameters())
+        if any(w is None for w in _block_norms(block, kind).values()):
+            return False
+        if "qk_norm" in features or "qk_norm:full" in features:
+            sizes = (a.q_size, a.kv_size) if "qk_norm:full" in features else (a.head_dim, a.head_dim)
+            if a.q_norm is None or a.k_norm is None or (a.q_norm.weight.numel(), a.k_norm.weight.numel()) != sizes:
+                return False
+    rope = getattr(model, "rope", None)
+    if rope is None or rope.cos.shape[-1] != model.config.head_dim:
+        return False
+    return (all(p.is_contiguous() and p.dtype == dtype for p in model.parameters())
             and all(_weight_ok(w, dtype) for w in matrices)
-            and kernels.available())
+            and kernels.available() and norm_kind(model) is not None)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -116,21 +208,27 @@ class NativeDecoder:
         self.dtype = model.norm.weight.dtype
         layers = model.layers
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        features = model.features()
+        kind = _block_kind(features)
         self.dims = _Dims(hidden=c.hidden_size, heads=attn0.heads, kv_heads=attn0.kv_heads, head_dim=c.head_dim,
                           inter=mlp0.intermediate, vocab=model.lm_head_weight.shape[0], layers=len(layers),
-                          eps=c.rms_norm_eps, scale=attn0.scale, bf16=int(self.dtype == torch.bfloat16))
+                          eps=c.rms_norm_eps, scale=attn0.scale, bf16=int(self.dtype == torch.bfloat16),
+                          block=kind, norm=norm_kind(model), act=_activation(features),
+                          qk_full=int("qk_norm:full" in features))
         self.layers = (_Layer * len(layers))()
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
             vectors = {
-                "in_norm": block.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias,
+                "in_norm": None, "qkv_bias": a.qkv_proj.bias,
                 "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                 "k_norm": a.k_norm.weight if a.k_norm is not None else None,
-                "o_bias": a.o_proj.bias, "post_norm": block.post_attention_layernorm.weight,
+                "o_bias": a.o_proj.bias, "post_norm": None,
                 "gate_up_bias": m.gate_up_proj.bias, "down_bias": m.down_proj.bias,
+                "pre_ff_norm": None, "post_ff_norm": None,
             }
-            for name in _VECTORS:
-                setattr(self.layers[i], name, _pointer(vectors[name]))
+            vectors.update(_block_norms(block, kind))
+            for name, t in vectors.items():
+                setattr(self.layers[i], name, _pointer(t))
             matrices = {"qkv": a.qkv_proj.weight, "o": a.o_proj.weight, "gate_up": m.gate_up_proj.weight,
                         "down": m.down_proj.weight}
             for name in _MATRICES:

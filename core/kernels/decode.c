@@ -33,10 +33,28 @@ void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int
             int threads);
 void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads);
 
+/* What a family needs beyond llama's block (native_decode.py reads it off the model's
+ * declared features): the block kind, the RMSNorm kind, the gated MLP's activation, q/k norms
+ * over the whole projection, partial rotary, a second rotary table for some layers, tanh
+ * soft-caps of the attention scores and of the logits, a scale of the embeddings. Each is
+ * the llama value when zero (or NULL), and then the llama code runs unchanged. */
+enum { BLOCK_LLAMA = 0, BLOCK_SANDWICH = 1, BLOCK_POST_NORM = 2 };
+enum { NORM_LLAMA = 0,    /* rnd(w · rnd(x · r)): LlamaRMSNorm */
+       NORM_OFFSET1 = 1,  /* rnd((x · r) · (1 + w)) in float32: Gemma's RMSNorm */
+       NORM_WEIGHT_F32 = 2 /* rnd(w · (x · r)) in float32: OLMo 2's RMSNorm */ };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     float eps, scale;
     int64_t bf16; /* 1: norms, biases, float weights, cache, cos/sin in bfloat16; 0: float32 */
+    const void *cos_local, *sin_local; /* the second rotary table (Layer.local), like cos/sin; NULL: none */
+    int64_t block, norm, act;
+    int64_t qk_full; /* q_norm / k_norm span the whole q / k projection (before the head split) */
+    int64_t rot;     /* dimensions of each head that rotate (the first `rot`), the tables' width; 0: head_dim */
+    float attn_cap, final_cap; /* tanh soft-caps: s → tanh(s / cap) · cap; 0: none */
+    float embed_scale;         /* the embedding row times this (a model-dtype value), rounded; 0: none */
+    float pad_;
 } Dims;
 
 /* A matrix as its stored parts, top to bottom (native_decode.py, qweight.BlockWeight): each
@@ -51,6 +69,8 @@ typedef struct { /* NULL where the model has no such tensor */
     const void *in_norm, *qkv_bias, *q_norm, *k_norm, *o_bias, *post_norm, *gate_up_bias, *down_bias;
     Weight qkv, o, gate_up, down;
     int64_t window; /* sliding window in tokens; 0 = none */
+    const void *pre_ff_norm, *post_ff_norm; /* block:sandwich's third and fourth norms; post_norm's second */
+    int64_t local; /* 1: rotate with Dims.cos_local / sin_local */
 } Layer;
 
 static inline float rnd(const Dims *d, float f) { return d->bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
@@ -174,6 +194,7 @@ static void attend_head_scalar(const Dims *d, const float *q, const void *kc, co
     float m = -INFINITY, sum = 0.0f;
     for (int64_t j = 0; j < n; j++) {
         s[j] = dot_cached(d, q, kc, base + j * D, D) * d->scale;
+        if (d->attn_cap > 0.0f) s[j] = tanhf(s[j] / d->attn_cap) * d->attn_cap;
         if (s[j] > m) m = s[j];
     }
     for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
@@ -346,8 +367,9 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
                          int64_t stride, float *out) {
     const int64_t D = d->head_dim;
 #ifdef __AVX512F__
-    if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
-    if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
+    if (d->attn_cap > 0.0f) {} /* soft-capped scores: the scalar path below */
+    else if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
+    else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
     for (int64_t h = 0; h < group; h++) {
@@ -356,7 +378,8 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
     }
 }
 
-/* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype. */
+/* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype
+ * (Dims.norm: Gemma's and OLMo 2's scale in float32 and round once). y may be x. */
 static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, float *y) {
     float ss = 0.0f;
     int64_t i = 0;
@@ -367,6 +390,14 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
 #endif
     for (; i < n; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)n + d->eps);
+    if (d->norm == NORM_OFFSET1) {
+        for (i = 0; i < n; i++) y[i] = rnd(d, (x[i] * r) * (1.0f + load(d, w, i)));
+        return;
+    }
+    if (d->norm == NORM_WEIGHT_F32) {
+        for (i = 0; i < n; i++) y[i] = rnd(d, load(d, w, i) * (x[i] * r));
+        return;
+    }
     i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16) {
@@ -378,14 +409,16 @@ static void rms_norm(const Dims *d, const float *x, const void *w, int64_t n, fl
     for (; i < n; i++) y[i] = rnd(d, load(d, w, i) * rnd(d, x[i] * r));
 }
 
-/* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. */
+/* x = x*cos + rotate_half(x)*sin over one head, each product rounded as in eager. Only
+ * the first Dims.rot dimensions rotate (rope:partial; the tables are that wide); the rest
+ * pass through. */
 static void rope(const Dims *d, float *x, const void *cos, const void *sin, int64_t row) {
-    const int64_t D = d->head_dim, h = D / 2;
+    const int64_t D = d->rot ? d->rot : d->head_dim, h = D / 2;
     const int64_t at = row * D * (d->bf16 ? 2 : 4); /* this position's row of each table, in bytes */
     const void *c = (const char *)cos + at, *s = (const char *)sin + at;
     int64_t i = 0;
 #ifdef __AVX512F__
-    if (h % 16 == 0) { /* both halves at once: x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin */
+    if (h % 16 == 0 && D == d->head_dim) { /* both halves at once: x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin */
         for (; i < h; i += 16) {
             const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + h + i);
             __m512 a = _mm512_mul_ps(x1, load16(d, c, i)), b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
@@ -465,6 +498,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             q_dequantize((int)e->type, (const char *)e->data + tokens[r] * (embed_row_bytes(e, H)), 1, H, x + r * H, 1);
             add_round(d, x + r * H, NULL, NULL, H);
         }
+        if (d->embed_scale != 0.0f) /* embed_scale: times √hidden in the model dtype, rounded */
+            for (int64_t i = 0; i < H; i++) x[r * H + i] = rnd(d, x[r * H + i] * d->embed_scale);
     }
     const int64_t row_elems = d->kv_heads * capacity * D; /* one row of one layer's cache */
     const int64_t group = d->heads / d->kv_heads;
@@ -473,22 +508,32 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         const Layer *L = &layers[l];
         char *kl = (char *)k_cache + l * rows * row_elems * el, *vl = (char *)v_cache + l * rows * row_elems * el;
 
-        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->in_norm, H, xn + r * H);
-        linear(d, &L->qkv, L->qkv_bias, xn, H, qkv, rows, big, xw, xq, threads);
+        const void *cos_l = L->local ? d->cos_local : cos, *sin_l = L->local ? d->sin_local : sin;
+        const float *attn_in = xn; /* block:post_norm attends to x itself */
+        if (d->block == BLOCK_POST_NORM) attn_in = x;
+        else {
+            #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->in_norm, H, xn + r * H);
+        }
+        linear(d, &L->qkv, L->qkv_bias, attn_in, H, qkv, rows, big, xw, xq, threads);
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             float nt[1024];
             float *q = big + r * qkv, *k = q + q_size, *v = q + q_size + kv_size;
             const int64_t position = column - (starts ? starts[r] : 0);
             char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
+            const int per_head = !d->qk_full;
+            if (!per_head) { /* qk_norm:full: one norm over each whole projection */
+                if (L->q_norm) rms_norm(d, q, L->q_norm, q_size, q);
+                if (L->k_norm) rms_norm(d, k, L->k_norm, kv_size, k);
+            }
             for (int64_t h = 0; h < d->heads; h++) {
-                if (L->q_norm) { rms_norm(d, q + h * D, L->q_norm, D, nt); memcpy(q + h * D, nt, D * sizeof(float)); }
-                rope(d, q + h * D, cos, sin, position);
+                if (L->q_norm && per_head) { rms_norm(d, q + h * D, L->q_norm, D, nt); memcpy(q + h * D, nt, D * sizeof(float)); }
+                rope(d, q + h * D, cos_l, sin_l, position);
             }
             for (int64_t h = 0; h < d->kv_heads; h++) {
-                if (L->k_norm) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
-                rope(d, k + h * D, cos, sin, position);
+                if (L->k_norm && per_head) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
+                rope(d, k + h * D, cos_l, sin_l, position);
                 const int64_t at = (h * capacity + column) * D;
                 if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
                     narrow(k + h * D, (uint16_t *)kc + at, D);
@@ -521,16 +566,32 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                          scores + u * group * capacity, capacity, att + r * q_size + g * group * D);
         }
         linear(d, &L->o, L->o_bias, att, q_size, H, rows, t, xw, xq, threads);
+        if (d->block != BLOCK_LLAMA) { /* sandwich / post_norm: the norm of attention's output */
+            #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm(d, t + r * H, L->post_norm, H, t + r * H);
+        }
         add_round(d, x, t, NULL, rows * H);
 
-        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, L->post_norm, H, xn + r * H);
-        linear(d, &L->gate_up, L->gate_up_bias, xn, H, 2 * d->inter, rows, big, xw, xq, threads);
+        const float *mlp_in = xn;
+        if (d->block == BLOCK_POST_NORM) mlp_in = x;
+        else {
+            const void *w = d->block == BLOCK_SANDWICH ? L->pre_ff_norm : L->post_norm;
+            #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, w, H, xn + r * H);
+        }
+        linear(d, &L->gate_up, L->gate_up_bias, mlp_in, H, 2 * d->inter, rows, big, xw, xq, threads);
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *gu = big + r * 2 * d->inter;
             float *h = att + r * d->inter;
             int64_t i = 0;
+            if (d->act == ACT_GELU_TANH) { /* torch's gelu(approximate="tanh"), in its order */
+                const float beta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
+                for (; i < d->inter; i++) {
+                    const float g = gu[i], inner = beta * (g + kappa * (g * g * g));
+                    h[i] = rnd(d, rnd(d, 0.5f * g * (1.0f + tanhf(inner))) * gu[d->inter + i]);
+                }
+            }
 #ifdef __AVX512F__
             for (; i + 16 <= d->inter; i += 16) {
                 const __m512 g = _mm512_loadu_ps(gu + i), up = _mm512_loadu_ps(gu + d->inter + i);
@@ -545,10 +606,16 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             }
         }
         linear(d, &L->down, L->down_bias, att, d->inter, H, rows, t, xw, xq, threads);
+        if (d->block != BLOCK_LLAMA) {
+            #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm(d, t + r * H, L->post_ff_norm, H, t + r * H);
+        }
         add_round(d, x, t, NULL, rows * H);
     }
     for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
     linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, xq, threads);
+    if (d->final_cap > 0.0f)
+        for (int64_t i = 0; i < rows * d->vocab; i++) logits[i] = tanhf(logits[i] / d->final_cap) * d->final_cap;
     free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
     return 0;
 }
