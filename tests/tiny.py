@@ -76,10 +76,14 @@ def hf_config(family: str):
     if family == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                           initializer_range=0.08, bos_token_id=0, eos_token_id=2)
+    if family == "olmo2":  # GQA; q/k norms over the whole projections (their weights: tests/test_family_olmo2.py)
+        from transformers import Olmo2Config
+
+        return Olmo2Config(**{**common, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2"]
 
 
 def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:

@@ -17,7 +17,7 @@ Three things llama.cpp changed on the way in are undone here:
 * the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
   the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
 
-Only what can be converted exactly is accepted: the llama, qwen2, qwen3 and gpt2 architectures
+Only what can be converted exactly is accepted: the llama, qwen2, qwen3, gpt2 and olmo2 architectures
 with the tokenizers gguf_tokenizer.py rebuilds. Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
@@ -46,10 +46,10 @@ from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2")
 # GGUF architecture → the Hugging Face class its config names.
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "gpt2": "GPT2LMHeadModel"}
+                     "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -196,6 +196,10 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
     }
+    if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
+        del config["mlp_bias"]
+        if metadata.get("olmo2.attention.sliding_window"):
+            raise UnsupportedModelError(f"{src}: olmo2 with sliding-window layers (OLMo 3) is not supported")
     scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
     if scaling:
         config["rope_scaling"] = scaling
@@ -382,6 +386,10 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if config["model_type"] == "qwen3":
         d = config["head_dim"]
         per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if config["model_type"] == "olmo2":  # norms after attention and MLP; q/k norms over the whole projections
+        del per_layer["input_layernorm.weight"]
+        per_layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
+                          "self_attn.k_norm.weight": (kv,)})
     for layer in range(config["num_hidden_layers"]):
         for leaf, shape in per_layer.items():
             shapes[f"model.layers.{layer}.{leaf}"] = shape

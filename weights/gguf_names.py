@@ -27,7 +27,18 @@ _GPT2 = (
      "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "transformer.h",
 )
-TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2}
+# OLMo 2: norms after attention and MLP (post_attention_norm / post_ffw_norm), q/k norms over
+# the whole projections under the names qwen3 uses for its per-head ones.
+_OLMO2 = (
+    _LLAMA[0],
+    {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+     "ffn_down": "mlp.down_proj"},
+    "model.layers",
+)
+TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2}
 # GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF
 # (convert_hf_to_gguf transposes them), which is the layout twice's linear layers hold.
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")

@@ -16,8 +16,9 @@ and llama-quantize write:
   and every 1-D tensor stay F32, as llama.cpp keeps them; so do position embeddings).
 
 Architectures: llama (also Mistral, written as llama: llama.cpp has no sliding window for
-it), qwen2, qwen3, gpt2. Everything that can be refused is checked before a byte is written;
-the file is written beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
+it), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does).
+Everything that can be refused is checked before a byte is written; the file is written
+beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
 """
 
@@ -48,7 +49,8 @@ FILE_TYPES: dict[str, int] = {
 }
 
 # twice's model_type → llama.cpp's architecture name
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+                 "olmo2": "olmo2"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
