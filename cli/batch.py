@@ -404,10 +404,14 @@ def batch(
     stats: o.Stats = False,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    draft: o.DraftModel = None,
+    draft_tokens: o.DraftTokens = None,
+    lookup: o.Lookup = False,
     no_color: o.NoColor = False,
 ):
     if no_color:
         COLOR["on"] = False
+    o.check_speculation(draft, draft_tokens, lookup, tp)
     from .prompt_input import check_text_arguments
 
     check_text_arguments(system=system, stop=stop)
@@ -426,7 +430,8 @@ def batch(
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
                                         input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                         stop, prefill_chunk), stats=stats, locks=locks, weights=weights)
+                                         stop, prefill_chunk), stats=stats, locks=locks, weights=weights,
+                                        draft=draft, lookup=lookup)
         except _RefusedEverywhere:
             raise  # every rank knows already, and none has started
         except TwiceError as e:
@@ -508,7 +513,7 @@ def _done_in(parts: list[Path]) -> set[str]:
 
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
                         model, revision, device, dtype, chat, system, timing, compile, settings,
-                        locks=None, stats=False, weights=None):
+                        locks=None, stats=False, weights=None, draft=None, lookup=False):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -553,7 +558,17 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
                 batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats)
     if shard.active and launch.rank != 0:
         plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
+    # Speculative decoding serves one sequence at a time (Engine.generate); a batch decodes
+    # its rows together without it. The draft still loads first (a draft that fails, fails
+    # before the model) and is checked against the model's vocabulary.
+    drafted = o.load_draft(draft, None, device if launch.world == 1 else launch.device, dtype)
     loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard, weights)
+    if draft is not None or lookup:
+        o.check_draft(loaded, drafted)
+        drafted = None
+        if launch.rank == 0:
+            _say(f"note: {'--draft' if draft is not None else '--lookup'} has no effect in twice batch: speculative "
+                 "decoding serves one sequence at a time (twice generate, twice chat); the batch decodes without it")
     plan.use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
     base = _base_settings(loaded, *settings)
     _run(loaded, plan, base)

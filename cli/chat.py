@@ -81,6 +81,9 @@ def chat(
     threads: o.Threads = None,
     compile: o.Compile = False,
     history: History = None,
+    draft: o.DraftModel = None,
+    draft_tokens: o.DraftTokens = None,
+    lookup: o.Lookup = False,
     no_color: o.NoColor = False,
 ):
     """Chat with a model; the KV cache is kept between turns so each turn prefills only what it adds."""
@@ -94,8 +97,10 @@ def chat(
 
     check_text_arguments(system=system, stop=stop)
     weights = o.weights_choice(dequantize, quantize)
+    o.check_speculation(draft, draft_tokens, lookup)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
+        drafted = o.load_draft(draft, None, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
                       weights=weights)
     tokenizer = loaded.tokenizer
@@ -108,8 +113,10 @@ def chat(
     sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                  repetition_penalty, seed)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
-                                  prefill_chunk=prefill_chunk)
-    engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile)
+                                  prefill_chunk=prefill_chunk, lookup=lookup, draft_tokens=draft_tokens)
+    larger = o.check_draft(loaded, drafted)
+    engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile,
+                    draft=drafted.model if drafted is not None else None)
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
     reader = make_reader(history)
@@ -117,6 +124,8 @@ def chat(
                 "/help for commands", "dim")
     if (compiled := o.compile_note(engine, compile)) is not None:
         session.say(f"note: {compiled}", "yellow")
+    if larger is not None:
+        session.say(f"note: {larger}", "yellow")
     session.run(reader)
 
 

@@ -47,6 +47,9 @@ def generate(
     stats: o.Stats = False,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    draft: o.DraftModel = None,
+    draft_tokens: o.DraftTokens = None,
+    lookup: o.Lookup = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
                                  "timings, cache bytes, model, settings) instead of the text."),
     no_color: o.NoColor = False,
@@ -55,6 +58,7 @@ def generate(
     # Bad settings fail in one line before the model loads; so does a missing prompt.
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate, threads)
+    o.check_speculation(draft, draft_tokens, lookup, tp)
     if no_color:
         from .console import COLOR
 
@@ -74,14 +78,15 @@ def generate(
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
                   truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats,
-                  weights=weights)
+                  weights=weights, speculation=(draft, draft_tokens, lookup))
     finally:
         finish(launch)
 
 
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
-              no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None) -> None:
+              no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None,
+              speculation=(None, None, False)) -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.device import DTYPE_NAMES
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
@@ -91,6 +96,10 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
     where = ", ".join(f"{k} {v}" for k, v in (("device", device), ("dtype", dtype)) if v != "auto")
     loading = f"{model or 'the default model'}: config, tokenizer, weights" + (f" ({where})" if where else "")
     with Readout(show_text=not as_json and not quiet, no_color=no_color, live=False if quiet else None) as readout:
+        draft, draft_tokens, lookup = speculation
+        if draft is not None:
+            readout.set_phase("loading", f"draft {draft}")
+        drafted = o.load_draft(draft, None, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
         readout.set_phase("loading", loading)
         loaded = load(model, revision, device, dtype, progress=lambda msg: readout.set_phase("loading", msg),
                       shard=shard, weights=weights)
@@ -98,8 +107,11 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p,
                                      repetition_penalty, seed)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
-                                      prefill_chunk=prefill_chunk, truncate=truncate)
+                                      prefill_chunk=prefill_chunk, truncate=truncate, lookup=lookup,
+                                      draft_tokens=draft_tokens)
         note = (lambda message: None) if quiet else readout.note
+        if (larger := o.check_draft(loaded, drafted)) is not None:
+            note(larger)
         if (ignored := o.ignored_with_greedy(sampling, top_k, top_p, min_p, seed)) is not None:
             note(ignored)
         use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
@@ -112,7 +124,8 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
                      + ("" if chat is False else " (the model has no chat template)"))
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile,
+                        draft=drafted.model if drafted is not None else None)
         if (compiled := o.compile_note(engine, compile)) is not None:
             note(compiled)
         result = None
@@ -128,6 +141,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
     out = sys.stdout
     if as_json:
         payload = json_payload(result, loaded, settings, use_chat, system if use_chat else None, compile)
+        payload["settings"]["draft"] = drafted.name if drafted is not None else None
         out.write(json.dumps(payload) + "\n")
     else:
         out.write("\n")
@@ -170,6 +184,8 @@ def json_payload(result, loaded, settings, chat: bool, system: str | None, compi
             "prefill_chunk": settings.prefill_chunk,
             "truncate": settings.truncate,
             "compile": compiled,
+            "lookup": settings.lookup,
+            "draft_tokens": settings.draft_tokens,
             "device": result.device,
             "dtype": result.dtype,
         },

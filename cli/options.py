@@ -51,6 +51,56 @@ Compile = Annotated[bool, typer.Option("--compile", help="Compile the decode ste
                                                          "Llama-family models on the CPU already decode with the "
                                                          "native step, which needs no compiling.")]
 
+DraftModel = Annotated[Optional[str], typer.Option(
+    "--draft", help="Speculative decoding with a draft model (folder, .gguf file or Hub id) that shares the model's "
+                    "vocabulary: it proposes tokens, the model verifies several in one pass (same output).")]
+DraftTokens = Annotated[Optional[int], typer.Option(
+    "--draft-tokens", help="Tokens proposed per verify pass, 1..32 (with --draft or --lookup). Default: adaptive, "
+                           "1..8 or none, from the measured acceptance rate and costs.")]
+Lookup = Annotated[bool, typer.Option(
+    "--lookup", help="Speculative decoding by prompt lookup: proposals from the latest earlier occurrence of the "
+                     "last 3, 2 or 1 tokens in the prompt and the text so far (no second model; same output).")]
+
+
+def check_speculation(draft: str | None, draft_tokens: int | None, lookup: bool, tp: int = 1) -> None:
+    """--draft / --lookup / --draft-tokens: one line before anything loads."""
+    from twice.core.errors import UsageError
+    from twice.core.speculative import check_draft_tokens
+
+    check_draft_tokens(draft_tokens)
+    if draft is not None and lookup:
+        raise UsageError("--draft and --lookup exclude each other (choose one proposer)")
+    if draft_tokens is not None and draft is None and not lookup:
+        raise UsageError("--draft-tokens needs --draft MODEL or --lookup")
+    if (draft is not None or lookup) and tp > 1:
+        raise UsageError(f"{'--draft' if draft is not None else '--lookup'} does not work with --tp "
+                         "(speculative decoding runs on one process)")
+
+
+def load_draft(draft: str | None, revision, device, dtype, progress=None):
+    """The draft model, loaded BEFORE the model (a draft that cannot load fails first),
+    on the same device and dtype; None without --draft."""
+    if draft is None:
+        return None
+    from twice.weights.load import load
+
+    return load(draft, None, device, dtype, progress=progress)
+
+
+def check_draft(loaded, draft) -> str | None:
+    """The draft must share the model's vocabulary (one line, else); returns a notice when
+    it is larger than the model (speculation will be slower)."""
+    if draft is None:
+        return None
+    from twice.core.speculative import check_vocabularies
+
+    check_vocabularies(loaded.tokenizer, draft.tokenizer, loaded.config.vocab_size, draft.config.vocab_size)
+    big, small = draft.model.weight_bytes(), loaded.model.weight_bytes()
+    if big > small:
+        return (f"the draft model ({big / 2**20:,.0f} MiB of weights) is larger than the model "
+                f"({small / 2**20:,.0f} MiB): speculative decoding will be slower than the model alone")
+    return None
+
 
 # What a llama.cpp (or ollama) user knows: llama.cpp's common_params_sampling defaults
 # (common/common.h: temp 0.80, top_k 40, top_p 0.95, min_p 0.05, penalty_repeat 1.00), used

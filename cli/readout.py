@@ -34,10 +34,10 @@ RATE_WINDOW = 32  # tokens in the rolling decode rate
 # and the dtype, compact; at 100 also without the prefill rate and the allocated KV; at 80 the
 # phase, TTFT, tok/s, tokens generated, KV in use and the share of the context.
 STATUS_STEPS = (
-    ("dtype", "short"), ("kv", "short"), ("per_token", "short"), ("context", "short"), ("ttft", "short"),
+    ("speculation", "short"), ("dtype", "short"), ("kv", "short"), ("per_token", "short"), ("context", "short"), ("ttft", "short"),
     ("prompt", "short"), ("prefill", "short"), ("detail", "drop"), ("per_token", "drop"), ("dtype", "drop"),
     ("prompt", "short"), ("rate", "short"), ("kv", "short"), ("prefill", "drop"), ("prompt", "drop"),
-    ("kv", "drop"), ("context", "drop"), ("ttft", "drop"), ("rate", "drop"), ("generated", "drop"),
+    ("kv", "drop"), ("speculation", "drop"), ("context", "drop"), ("ttft", "drop"), ("rate", "drop"), ("generated", "drop"),
 )
 
 
@@ -63,6 +63,7 @@ class Readout:
         self.ttft = self.prefill_tps = None
         self.generated = 0
         self.cache = None
+        self.speculation = None  # speculative.SpeculationStats while speculating (live counts)
         self.context_length = 0
         self.dtype: tuple[str, ...] = ()  # forms of "cpu bfloat16 (why)", shown last (set_model)
         self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, tokens) for a rolling rate
@@ -125,6 +126,7 @@ class Readout:
         kind = type(event).__name__
         if kind == "TokenEvent":
             self.cache = event.cache
+            self.speculation = getattr(event, "speculation", None)
             self.generated += 1
             self._recent.append((time.perf_counter(), self.generated))
             if self.show_text and event.text:
@@ -226,6 +228,10 @@ class Readout:
             parts.append(("rate", (f"decode {rate:,.1f} tok/s", f"{rate:,.1f} tok/s")))
         if self.generated:
             parts.append(("generated", (f"{self.generated:,} generated",)))
+        s = self.speculation
+        if s is not None and s.passes:
+            rate, per = f"{100 * s.acceptance_rate:.0f}%", f"{s.tokens_per_pass:.2f}"
+            parts.append(("speculation", (f"accepted {rate} · {per} tok/pass", f"acc {rate} {per}/pass")))
         if self.cache is not None:
             c = self.cache
             parts.append(("kv", (f"KV {human_bytes(c.bytes_in_use)} / {human_bytes(c.bytes_allocated)}",

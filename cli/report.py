@@ -41,6 +41,8 @@ def stats_lines(result, loaded=None) -> list[str]:
     if r.decode_tokens_per_second:
         decode += f", {r.decode_tokens_per_second:,.1f} tok/s"
     lines.append(decode + f" ({getattr(r, 'decode_path', 'eager')} step; finish: {r.finish_reason})")
+    if (spec := speculation_line(getattr(r, "speculation", None))) is not None:
+        lines.append(spec)
     c = r.cache
     lines.append(f"KV cache  {human_bytes(c.bytes_in_use)} in use of {human_bytes(c.bytes_allocated)} allocated "
                  f"({human_bytes(c.bytes_per_token)}/token, {c.tokens:,} of {c.context_length:,} tokens)")
@@ -126,6 +128,7 @@ def timing_table(result, loaded) -> Table:
         t.add_row("", "step latency p90", seconds(p["p90"]), "90% of the steps took at most this")
         t.add_row("", "step latency p99", seconds(p["p99"]), "99% of the steps took at most this")
         t.add_row("", "step latency max", seconds(p["max"]), "the slowest step")
+    speculation_rows(t, getattr(r, "speculation", None))
     L, H, d = c.num_hidden_layers, loaded.model.kv_heads, c.head_dim  # kv heads in this rank's cache
     e = r.cache.bytes_per_token // (2 * L * H * d)
     b, n = r.cache.batch, r.cache.tokens
@@ -169,6 +172,36 @@ def timing_table(result, loaded) -> Table:
         t.add_row("", "all-reduce", seconds(shard.stats.seconds),
                   f"{shard.stats.calls} all-reduces (2 per layer per forward pass), wall time{share}")
     return t
+
+
+def speculation_rows(t: Table, s: dict | None) -> None:
+    """--timing's rows for speculative decoding (core/speculative.py), when it ran."""
+    if not s:
+        return
+    k = s["draft_tokens"]
+    t.add_row("speculation", "proposer", f"{s['proposer']}",
+              f"draft tokens per pass: {k}" + (" (1..8 or none, from the measured acceptance and costs)"
+                                               if k == "adaptive" else " (--draft-tokens)"))
+    t.add_row("", "proposals", f"{s['proposals']:,}", "proposed tokens the model verified")
+    t.add_row("", "accepted", f"{s['accepted']:,}", "of those, kept (equal to the model's own choice)")
+    t.add_row("", "acceptance rate", f"{100 * s['acceptance_rate']:.1f}%", "accepted ÷ proposals")
+    t.add_row("", "mean accepted run", f"{s['mean_accepted_run']:.2f}", "proposals kept per verify pass")
+    t.add_row("", "target passes", f"{s['target_passes']:,}",
+              f"model forward passes after the first token ({s['verify_passes']:,} verify passes, the rest plain "
+              f"steps); {s['tokens_per_target_pass']:.2f} tokens per pass")
+    t.add_row("", "draft time", seconds(s["draft_s"]), "proposing (the draft model's steps, or the lookup)")
+    t.add_row("", "verify time", seconds(s["verify_s"]), "the model's passes over the proposals, acceptance included")
+    t.add_row("", "tokens/s", f"{s['decode_tokens_per_s']:,.1f}",
+              f"decode with the draft's share; {s['decode_tokens_per_s_without_draft']:,.1f} without it "
+              "(decode time − draft time)")
+
+
+def speculation_line(s: dict | None) -> str | None:
+    if not s:
+        return None
+    return (f"speculate {s['proposer']}: {s['accepted']:,}/{s['proposals']:,} accepted "
+            f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_target_pass']:.2f} tokens per pass, "
+            f"draft {seconds(s['draft_s'])} · verify {seconds(s['verify_s'])}")
 
 
 def weights_words(r) -> str:

@@ -189,8 +189,9 @@ class Adaptive:
         mx = sum(x for x, _ in points) / n
         my = sum(y for _, y in points) / n
         sxx = sum((x - mx) ** 2 for x, _ in points)
-        slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-        return max(my + slope * (k - mx), 1e-9)
+        slope = max(sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0, 0.0)  # never cheaper with more
+        # A pass over k + 1 tokens costs at least a plain step (noise in the fit must not say otherwise).
+        return max(my + slope * (k - mx), self.step or 0.0, 1e-9)
 
     def rate(self, k: int) -> float:
         """Expected tokens per second of passes with k guesses (0: plain steps)."""
