@@ -73,7 +73,8 @@ def _weight_ok(w, dtype: torch.dtype) -> bool:
 # it against that family's eager layers (tests/test_native_families.py).
 IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
                         "window",
-                        "block:post_norm", "qk_norm:full"})
+                        "block:post_norm", "qk_norm:full", "block:sandwich", "norm:offset1",
+                        "act:gelu_pytorch_tanh", "embed_scale", "attn_softcap", "final_softcap", "rope:local"})
 
 
 def _block_norms(block, kind: int) -> dict:
@@ -167,9 +168,11 @@ def supported(model: CausalLM) -> bool:
             sizes = (a.q_size, a.kv_size) if "qk_norm:full" in features else (a.head_dim, a.head_dim)
             if a.q_norm is None or a.k_norm is None or (a.q_norm.weight.numel(), a.k_norm.weight.numel()) != sizes:
                 return False
-    rope = getattr(model, "rope", None)
-    if rope is None or rope.cos.shape[-1] != model.config.head_dim:
+    tables = [getattr(model, "rope", None)] + ([getattr(model, "rope_local", None)] if "rope:local" in features else [])
+    if any(t is None or t.cos.shape[-1] != model.config.head_dim for t in tables):
         return False
+    if len({b.self_attn.softcap if "attn_softcap" in features else None for b in model.layers}) != 1:
+        return False  # one attention cap for every layer (decode.c's Dims holds one)
     return (all(p.is_contiguous() and p.dtype == dtype for p in model.parameters())
             and all(_weight_ok(w, dtype) for w in matrices)
             and kernels.available() and norm_kind(model) is not None)
@@ -214,7 +217,11 @@ class NativeDecoder:
                           inter=mlp0.intermediate, vocab=model.lm_head_weight.shape[0], layers=len(layers),
                           eps=c.rms_norm_eps, scale=attn0.scale, bf16=int(self.dtype == torch.bfloat16),
                           block=kind, norm=norm_kind(model), act=_activation(features),
-                          qk_full=int("qk_norm:full" in features))
+                          qk_full=int("qk_norm:full" in features),
+                          attn_cap=layers[0].self_attn.softcap if "attn_softcap" in features else 0.0,
+                          final_cap=model.options.final_logit_softcapping if "final_softcap" in features else 0.0,
+                          embed_scale=float(model.embed_scale) if "embed_scale" in features else 0.0)
+        self.local = "rope:local" in features
         self.layers = (_Layer * len(layers))()
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
@@ -234,6 +241,7 @@ class NativeDecoder:
             for name in _MATRICES:
                 setattr(self.layers[i], name, _describe(matrices[name]))
             self.layers[i].window = a.window or 0
+            self.layers[i].local = int(self.local and block.local_rope)
         self.final_norm = _pointer(model.norm.weight)
         self.head = _describe(model.lm_head_weight)
         self.embed = _describe(model.embed_tokens.weight)
@@ -259,6 +267,10 @@ class NativeDecoder:
         starts = cache.starts.to(torch.int64).contiguous() if cache.starts is not None else None
         rope = self.model.rope
         rope.ensure(column + 1)  # positions are column - start ≤ column
+        if self.local:
+            local = self.model.rope_local
+            local.ensure(column + 1)
+            self.dims.cos_local, self.dims.sin_local = local.cos.data_ptr(), local.sin.data_ptr()
         logits = torch.empty(rows, self.dims.vocab, dtype=torch.float32)
         status = self.lib.decode_step(
             ctypes.byref(self.dims), self.layers, self.final_norm, ctypes.byref(self.head), ctypes.byref(self.embed),

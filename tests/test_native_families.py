@@ -60,50 +60,67 @@ def _runs_native(m) -> bool:
     return m.model.features() <= native_decode.IMPLEMENTS
 
 
+def _skip_unless_native(m) -> None:
+    if not _runs_native(m):
+        pytest.skip(f"decode.c does not implement {sorted(m.model.features() - native_decode.IMPLEMENTS)} yet")
+
+
 @pytest.mark.parametrize("name", LANDED)
 def test_native_logits_equal_eager_float32(family_model, name):
     m = family_model(name)
-    if not _runs_native(m):
-        pytest.skip(f"decode.c does not implement {sorted(m.model.features() - native_decode.IMPLEMENTS)} yet")
+    _skip_unless_native(m)
     assert supported(m.model)
-    worst, gap, a, b = _step_by_step(m, torch.float32)  # 47 tokens: every tiny window is crossed
+    worst, gap, a, b = _step_by_step(m, torch.float32)  # 47 tokens: every tiny window (8, 12) is crossed
     assert worst < 1e-4 and gap == 0
     assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)
     assert torch.allclose(a.v[:, :, :, : a.length], b.v[:, :, :, : b.length], atol=1e-5)
 
 
-@pytest.mark.parametrize("name", LANDED)
-def test_native_logits_track_eager_bfloat16(family_model, name):
-    m = family_model(name, "bfloat16")
-    if not _runs_native(m):
-        pytest.skip("not native yet")
-    assert supported(m.model)
-    worst, gap, _, _ = _step_by_step(m, torch.bfloat16, steps=10)
-    assert worst < 0.05 and gap <= worst
+# Three prompts of 15, 24 and 20 tokens, left-padded to 24 (starts 9, 0, 4).
+PROMPTS = [list(range(5, 20)), list(range(20, 44)), list(range(50, 70))]
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.05)])
-@pytest.mark.parametrize("name", LANDED)
-def test_native_padded_batch_of_three_equals_eager(family_model, name, dtype, tolerance):
-    m = family_model(name, dtype)
-    if not _runs_native(m):
-        pytest.skip("not native yet")
-    native = NativeDecoder(m.model)
-    t = getattr(torch, dtype)
-    caches = []
-    for _ in range(2):
-        c = KVCache(m.config, 3, 64, t, "cpu")
-        c.starts = torch.tensor([9, 0, 4])  # rows 0 and 2: columns of padding on the left
-        caches.append(c)
-    ids = torch.tensor([[0] * 9 + list(range(5, 20)), list(range(20, 44)), [0] * 4 + list(range(50, 70))])
-    with torch.inference_mode():
+def _three_ways(family_model, name: str, rows: int, steps: int = 12):
+    """Eager and native decode, float32 and bfloat16, of the same tokens (eager float32's
+    greedy ones) after the same prompts, `rows` at a time (left-padded): the largest logit
+    distance of native float32 from eager float32, and of eager bf16 and native bf16 from
+    eager float32."""
+    prompts = PROMPTS[1:2] if rows == 1 else PROMPTS
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    first = torch.tensor([[7], [9], [11]])[:rows]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        m = family_model(name, dtype)
+        _skip_unless_native(m)
+        assert supported(m.model)
+        native = NativeDecoder(m.model)
+        caches = [KVCache(m.config, rows, 64, getattr(torch, dtype), "cpu") for _ in range(2)]
         for c in caches:
-            m.model(ids, c)
-        tok = torch.tensor([[7], [9], [11]])
-        for _ in range(12):
-            la, lb = m.model(tok, caches[0]).float().reshape(3, -1), native(tok, caches[1])
-            assert (la - lb).abs().max() < tolerance
-            tok = la.argmax(-1, keepdim=True)
+            c.starts = torch.tensor([width - len(p) for p in prompts]) if rows > 1 else None
+        with torch.inference_mode():
+            for c in caches:
+                m.model(ids, c)
+            for i in range(steps):
+                tok = first if i == 0 else logits["float32", i - 1][0].argmax(-1, keepdim=True)
+                logits[dtype, i] = (m.model(tok, caches[0]).float().reshape(rows, -1), native(tok, caches[1]))
+
+    def worst(dtype: str, which: int) -> float:
+        return max((logits[dtype, i][which] - logits["float32", i][0]).abs().max().item() for i in range(steps))
+
+    return worst("float32", 1), worst("bfloat16", 0), worst("bfloat16", 1)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("name", LANDED)
+def test_native_tracks_eager_in_both_dtypes_at_batch_1_and_3(family_model, name, rows):
+    """float32: native = eager within 1e-4, left-padded rows too. bfloat16: both round at the
+    same points but add in other orders, and a tiny random model amplifies rounding (gemma's,
+    weights drawn at 0.5, moves its capped logits by ~0.1 in bf16): native bf16 must be about
+    as close to float32 as eager bf16 is."""
+    native32, eager16, native16 = _three_ways(family_model, name, rows)
+    assert native32 < 1e-4
+    assert native16 < max(0.05, 1.5 * eager16), (native16, eager16)
 
 
 @pytest.mark.parametrize("name", LANDED)

@@ -192,14 +192,21 @@ static void attend_head_scalar(const Dims *d, const float *q, const void *kc, co
                                int64_t n, float *s, float *out) {
     const int64_t D = d->head_dim;
     float m = -INFINITY, sum = 0.0f;
+    const float cap = d->attn_cap;
     for (int64_t j = 0; j < n; j++) {
-        s[j] = dot_cached(d, q, kc, base + j * D, D) * d->scale;
-        if (d->attn_cap > 0.0f) s[j] = tanhf(s[j] / d->attn_cap) * d->attn_cap;
+        if (cap > 0.0f) { /* scores soft-capped as the eager path computes them: each op in the model dtype */
+            const float sc = rnd(d, rnd(d, dot_cached(d, q, kc, base + j * D, D)) * d->scale);
+            s[j] = rnd(d, rnd(d, tanhf(rnd(d, sc / cap))) * cap);
+        } else
+            s[j] = dot_cached(d, q, kc, base + j * D, D) * d->scale;
         if (s[j] > m) m = s[j];
     }
     for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
     for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) axpy_cached(d, s[j] / sum, vc, base + j * D, D, out);
+    if (cap > 0.0f) /* and its float32 probabilities cast to the model dtype before they meet V */
+        for (int64_t j = 0; j < n; j++) axpy_cached(d, rnd(d, s[j] / sum), vc, base + j * D, D, out);
+    else
+        for (int64_t j = 0; j < n; j++) axpy_cached(d, s[j] / sum, vc, base + j * D, D, out);
 }
 
 #ifdef __AVX512F__
