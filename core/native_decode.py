@@ -74,7 +74,8 @@ def _weight_ok(w, dtype: torch.dtype) -> bool:
 IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
                         "window",
                         "block:post_norm", "qk_norm:full", "block:sandwich", "norm:offset1",
-                        "act:gelu_pytorch_tanh", "embed_scale", "attn_softcap", "final_softcap", "rope:local"})
+                        "act:gelu_pytorch_tanh", "embed_scale", "attn_softcap", "final_softcap", "rope:local",
+                        "rope:partial"})
 
 
 def _block_norms(block, kind: int) -> dict:
@@ -169,7 +170,10 @@ def supported(model: CausalLM) -> bool:
             if a.q_norm is None or a.k_norm is None or (a.q_norm.weight.numel(), a.k_norm.weight.numel()) != sizes:
                 return False
     tables = [getattr(model, "rope", None)] + ([getattr(model, "rope_local", None)] if "rope:local" in features else [])
-    if any(t is None or t.cos.shape[-1] != model.config.head_dim for t in tables):
+    if any(t is None for t in tables) or len({t.cos.shape[-1] for t in tables}) != 1:
+        return False
+    width = tables[0].cos.shape[-1]  # rope:partial: only the first `width` dimensions of a head rotate
+    if width % 2 or width > model.config.head_dim or (width < model.config.head_dim and "rope:partial" not in features):
         return False
     if len({b.self_attn.softcap if "attn_softcap" in features else None for b in model.layers}) != 1:
         return False  # one attention cap for every layer (decode.c's Dims holds one)
@@ -222,6 +226,8 @@ class NativeDecoder:
                           final_cap=model.options.final_logit_softcapping if "final_softcap" in features else 0.0,
                           embed_scale=float(model.embed_scale) if "embed_scale" in features else 0.0)
         self.local = "rope:local" in features
+        width = model.rope.cos.shape[-1]
+        self.dims.rot = width if width != c.head_dim else 0
         self.layers = (_Layer * len(layers))()
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp

@@ -23,7 +23,8 @@ from twice.weights.load import load
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
 
 # tiny.py name → the model_type its config builds
-CANDIDATES = {"olmo2": "olmo2", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "mixtral": "mixtral",
+CANDIDATES = {"olmo2": "olmo2", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "phi3-long": "phi3",
+              "mixtral": "mixtral",
               "qwen3_moe": "qwen3_moe"}
 
 
