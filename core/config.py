@@ -17,7 +17,7 @@ from typing import Any
 from .errors import ConfigError, UnsupportedModelError
 from .fields import _MISSING, Fields, show
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 MAX_LAYERS = 100_000
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
@@ -108,6 +108,10 @@ _ROPE_FIELDS: dict[str, tuple[tuple, ...]] = {
              ("beta_fast", "float", 0, True, 1e6, False), ("beta_slow", "float", 0, True, 1e6, False),
              ("mscale", "float", 0, False, 1e6, False), ("mscale_all_dim", "float", 0, False, 1e6, False),
              ("attention_factor", "float", 0, True, 1e6, False)),
+    # short_factor / long_factor (lists) are checked against the rotary dimension below; the
+    # attention scaling divides by log(original_max_position_embeddings), hence at least 2.
+    "longrope": (("factor", "float", 1, False, 1e6, False), ("original_max_position_embeddings", "int", 2, False, MAX_SIZE, True),
+                 ("attention_factor", "float", 0, True, 1e6, False)),
 }
 
 
@@ -129,12 +133,21 @@ def normalize_rope(d: dict, source: str) -> dict:
     params = dict(params)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type == "su":  # the Hub's older name of longrope (Phi-3's first configs)
+        rope_type = "longrope"
     if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{source}: rope type {show(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
         params["original_max_position_embeddings"] = top.int("max_position_embeddings", lo=1)
+    if rope_type == "longrope":
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
+        # (where Phi-3 keeps it) wins over the rope dict's own; else max_position_embeddings.
+        if d.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = top.int("original_max_position_embeddings", lo=2, hi=MAX_SIZE)
+        elif params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = top.int("max_position_embeddings", lo=1)
     rope = Fields({f"{key}.{k}": v for k, v in params.items()}, source)  # errors name e.g. "rope_scaling.factor"
     # rope_theta > 1: only then do the frequencies fall with the dimension (yarn divides by its log)
     if params.get("rope_theta") is not None:
@@ -142,9 +155,17 @@ def normalize_rope(d: dict, source: str) -> dict:
     else:
         params["rope_theta"] = top.float("rope_theta", lo=1, lo_open=True, hi=1e30)
     params["rope_type"] = rope_type
-    for f, name in ((top, "partial_rotary_factor"), (rope, f"{key}.partial_rotary_factor")):
-        if f.float(name, 1.0, lo=0, lo_open=True, hi=1) != 1.0:
-            raise UnsupportedModelError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
+    # partial_rotary_factor: the rope dict's own, else the top level's (transformers moves it
+    # there); only the first rotary_dim = int(head_dim · factor) dimensions of a head rotate.
+    top_partial = top.float("partial_rotary_factor", 1.0, lo=0, lo_open=True, hi=1)
+    partial = rope.float(f"{key}.partial_rotary_factor", top_partial, lo=0, lo_open=True, hi=1)
+    head_dim = d.get("head_dim") or top.int("hidden_size", lo=1) // top.int("num_attention_heads", lo=1)
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor {partial:g} of head_dim {head_dim} gives a rotary "
+                          f"dimension of {rotary_dim}; it must be even and at least 2")
+    if partial != 1.0:
+        params["partial_rotary_factor"] = partial
     for name, kind, lo, lo_open, hi, required in _ROPE_FIELDS[rope_type]:
         default = _MISSING if required else None
         if kind == "int":
@@ -159,7 +180,23 @@ def normalize_rope(d: dict, source: str) -> dict:
             raise ConfigError(f"{source}: rope high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     if rope_type == "yarn":
         params["truncate"] = rope.bool(f"{key}.truncate", True)
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            params[name] = _factor_list(rope, f"{key}.{name}", rotary_dim)
     return params
+
+
+def _factor_list(f: Fields, key: str, rotary_dim: int) -> list[float]:
+    """longrope's short_factor / long_factor: one number per rotated pair, in [1e-6, 1e6] (the
+    frequencies they divide stay finite in float32 at every position)."""
+    value = f.list(key)
+    wanted = f"a list of {rotary_dim // 2} numbers (one per pair of the {rotary_dim} rotary dimensions)"
+    if len(value) != rotary_dim // 2:
+        raise ConfigError(f"{f.source}: {key} must be {wanted}, got {len(value)} entries")
+    out = []
+    for i, x in enumerate(value):
+        out.append(Fields({f"{key}[{i}]": x}, f.source).float(f"{key}[{i}]", lo=1e-6, hi=1e6))
+    return out
 
 
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:

@@ -15,11 +15,19 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 
-def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [head_dim/2] float32, attention_scaling) for the config's rope type."""
+def rotary_dim(config: ModelConfig) -> int:
+    """How many leading dimensions of each head rotate: head_dim, or int(head_dim ·
+    partial_rotary_factor) (Phi-4-mini: 0.75; config.py checked it is even)."""
+    p = config.rope_parameters
+    return int(config.head_dim * p.get("partial_rotary_factor", 1.0))
+
+
+def inverse_frequencies(config: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [rotary_dim/2] float32, attention_scaling) for the config's rope type;
+    for longrope the short factors' frequencies, or the long factors' if `long`."""
     p = config.rope_parameters
     assert p is not None, "model without rotary embeddings"
-    dim = config.head_dim
+    dim = rotary_dim(config)
     base = p["rope_theta"]
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     inv_freq = 1.0 / (base**exponents)
@@ -32,7 +40,25 @@ def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, p), 1.0
     if kind == "yarn":
         return _yarn(base, dim, config.max_position_embeddings, p)
+    if kind == "longrope":
+        return _longrope(base, dim, config.max_position_embeddings, p, long)
     raise AssertionError(kind)  # config validation rejects other types
+
+
+def _longrope(base: float, dim: int, max_positions: int, p: dict, long: bool) -> tuple[torch.Tensor, float]:
+    """transformers' _compute_longrope_parameters: the frequencies divided by one factor per
+    pair (short_factor, or long_factor beyond original_max_position_embeddings), and the
+    attention scaling sqrt(1 + log(factor) / log(original)) that multiplies cos and sin."""
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor")
+    if factor is None:
+        factor = max_positions / original
+    scaling = p.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * base**inv_freq_shape), float(scaling)
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
@@ -86,31 +112,65 @@ def _yarn(base: float, dim: int, max_positions: int, p: dict) -> tuple[torch.Ten
 
 class RotaryTables:
     """cos/sin for positions [0, length), grown on demand, kept in float32 and in the
-    compute dtype (the cast transformers does on every call is done once here)."""
+    compute dtype (the cast transformers does on every call is done once here). They are
+    rotary_dim wide: with partial_rotary_factor < 1 only a head's first rotary_dim
+    dimensions rotate (apply_rotary passes the rest through).
+
+    longrope picks its factors by the length of the sequence a forward pass reaches
+    (transformers: max(position_ids) + 1 > original_max_position_embeddings → long, for
+    every position of that pass). `cos`/`sin`, the tables the decode steps index by
+    position, hold the short factors' rows below original_max_position_embeddings and the
+    long factors' from there on: exactly what a one-token step at that position uses.
+    `lookup` (the eager layers, prefill) takes, per row, the long table for every position
+    once the row's last position is past the boundary (`long_cos`/`long_sin`)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         self.inv_freq, self.scaling = inverse_frequencies(config)
         self.inv_freq = self.inv_freq.to(device)
         self.device, self.dtype = device, dtype
-        self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
+        self.rotary_dim = rotary_dim(config)
+        self.cos = self.sin = torch.empty(0, self.rotary_dim, device=device, dtype=dtype)
+        p = config.rope_parameters
+        self.boundary: int | None = None  # longrope's original_max_position_embeddings
+        if p["rope_type"] == "longrope":
+            self.boundary = p["original_max_position_embeddings"]
+            self.long_inv_freq = inverse_frequencies(config, long=True)[0].to(device)
+            self.long_cos = self.long_sin = self.cos
+
+    def _table(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(length, device=self.device, dtype=torch.int64)
+        freqs = positions[:, None].float() * inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(self.dtype), (emb.sin() * self.scaling).to(self.dtype)
 
     def ensure(self, length: int) -> None:
         if length <= self.cos.shape[0]:
             return
         length = max(length, 2 * self.cos.shape[0], 256)
-        positions = torch.arange(length, device=self.device, dtype=torch.int64)
-        freqs = positions[:, None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self.scaling).to(self.dtype)
-        self.sin = (emb.sin() * self.scaling).to(self.dtype)
+        self.cos, self.sin = self._table(self.inv_freq, length)
+        if self.boundary is not None:
+            self.long_cos, self.long_sin = self._table(self.long_inv_freq, length)
+            cut = min(self.boundary, length)
+            self.cos = torch.cat((self.cos[:cut], self.long_cos[cut:]))
+            self.sin = torch.cat((self.sin[:cut], self.long_sin[cut:]))
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] → cos, sin [B, 1, T, head_dim] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions [B, T] → cos, sin [B, 1, T, rotary_dim] (broadcast over heads)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if self.boundary is not None:
+            long = (positions.amax(dim=1) + 1 > self.boundary).view(-1, 1, 1)  # per row: its own length
+            cos = torch.where(long, self.long_cos[positions], cos)
+            sin = torch.where(long, self.long_sin[positions], sin)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D] rotated by the rotate-half convention used by HF checkpoints."""
+    """x [B, H, T, D] rotated by the rotate-half convention used by HF checkpoints; only
+    the first cos.shape[-1] dimensions when that is less than D (partial rotary)."""
+    width = cos.shape[-1]
+    if width != x.shape[-1]:
+        rot, rest = x[..., :width], x[..., width:]
+        return torch.cat((apply_rotary(rot, cos, sin), rest), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

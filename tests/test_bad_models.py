@@ -93,9 +93,9 @@ def break_no_weights(folder):
 
 def break_rope_type(folder):
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "rope type 'longrope' is not supported"
+    return "rope type 'dynamic' is not supported"
 
 
 def break_missing_tensor(folder):

@@ -80,10 +80,22 @@ def hf_config(family: str):
         from transformers import Olmo2Config
 
         return Olmo2Config(**{**common, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+    if family in ("phi3", "phi3-long"):  # Phi-4-mini-like: longrope, partial rotary 0.75 (12 of 16 dims), GQA
+        from transformers import Phi3Config
+
+        # "phi3" never leaves the short factors in the standard checks (prompts + 32 tokens < 64);
+        # "phi3-long" crosses original_max_position_embeddings 16 (tests/test_family_phi3.py) and a window.
+        original, longest = (64, 256) if family == "phi3" else (16, 64)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                "original_max_position_embeddings": original}
+        extra = {} if family == "phi3" else {"sliding_window": 12}
+        return Phi3Config(**{**common, "max_position_embeddings": longest, "original_max_position_embeddings": original,
+                             "rope_parameters": rope, "pad_token_id": 0, **extra})
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3"]
 
 
 def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:

@@ -1,0 +1,312 @@
+"""The phi3 family (Phi-3, Phi-3.5, Phi-4-mini) against transformers' Phi3ForCausalLM (fp32, CPU).
+
+tiny.py's "phi3" (in tiny.FAMILIES: test_models.py runs the four standard checks on it) has
+longrope with original_max_position_embeddings 64, partial rotary 0.75 and GQA; "phi3-long"
+the same with original_max_position_embeddings 16 (max 64) and a sliding window of 12, so
+that prompts and generations land on both sides of the short/long boundary."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+import tiny
+from clirun import one_error_line, run_inprocess
+from test_models import hf_model, prompt_ids
+from twice.core.cache import KVCache
+from twice.core.config import config_from_dict
+from twice.core.engine import Engine, GenerationSettings, Request
+from twice.core.errors import ConfigError, TwiceError, UnsupportedModelError
+from twice.weights.load import load
+
+torch.set_grad_enabled(False)
+LONG = "phi3-long"  # original_max_position_embeddings 16
+
+
+def _generate(ours, ids: list[int], n: int) -> list[int]:
+    engine = Engine(ours.model, ours.tokenizer, ours.eos_token_ids)
+    events = list(engine.generate(Request(ids=ids), GenerationSettings(max_new_tokens=n, ignore_eos=True)))
+    return events[-1].result.token_ids
+
+
+def _hf_generate(ref, ids: torch.Tensor, n: int) -> list[int]:
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                       eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("prompt, last", [(10, 16), (24, 40)], ids=["short", "long"])
+def test_logits_on_each_side_of_original_max_position_embeddings(model_dirs, prompt, last):
+    """Short factors while the sequence stays within 16 positions, long ones (every position
+    of the pass) once it is longer: prefill and each decode step against transformers' forward
+    of the whole sequence."""
+    folder = model_dirs(LONG)
+    ours, ref = load(str(folder), device="cpu", dtype="float32"), hf_model(folder)
+    ids = prompt_ids(last, seed=prompt)
+    expected = ref(ids).logits
+    cache = KVCache(ours.config, 1, 64, torch.float32, "cpu")
+    got = ours.model(ids[:, :prompt], cache, all_logits=True)
+    assert (got - expected[:, :prompt]).abs().max() < 1e-4
+    for t in range(prompt, last):
+        assert (ours.model(ids[:, t: t + 1], cache)[0] - expected[0, t]).abs().max() < 1e-4, t
+
+
+def test_short_and_long_factors_differ(model_dirs):
+    """The tiny factors bite: the same 16 tokens' logits change when the pass reaches 17."""
+    folder = model_dirs(LONG)
+    ref = hf_model(folder)
+    ids = prompt_ids(17, seed=3)
+    assert (ref(ids[:, :16]).logits - ref(ids).logits[:, :16]).abs().max() > 1e-2
+
+
+def test_a_step_across_the_boundary_equals_transformers_cached_forward(model_dirs):
+    """A decode crossing position 16 keeps the keys/values computed with the short factors
+    and takes the long ones for the new positions: transformers' forward pass with a cache
+    does the same (its generate() recomputes at the crossing: /work/notes/phi3.md)."""
+    from transformers import DynamicCache
+
+    folder = model_dirs(LONG)
+    ours, ref = load(str(folder), device="cpu", dtype="float32"), hf_model(folder)
+    ids = prompt_ids(24, seed=7)
+    cache, hf_cache = KVCache(ours.config, 1, 64, torch.float32, "cpu"), DynamicCache(config=ref.config)
+    got = ours.model(ids[:, :10], cache, all_logits=True)
+    assert (got - ref(ids[:, :10], cache=hf_cache, use_cache=True).logits).abs().max() < 1e-4
+    for t in range(10, 24):
+        step = ref(ids[:, t: t + 1], cache=hf_cache, use_cache=True).logits[0, -1]
+        assert (ours.model(ids[:, t: t + 1], cache)[0] - step).abs().max() < 1e-4, t
+
+
+@pytest.mark.parametrize("prompt, new", [(5, 11), (20, 32)], ids=["short", "long"])
+def test_greedy_tokens_equal_generate_without_a_crossing(model_dirs, prompt, new):
+    folder = model_dirs(LONG)
+    ours, ref = load(str(folder), device="cpu", dtype="float32"), hf_model(folder)
+    ids = prompt_ids(prompt, seed=11)
+    assert _generate(ours, ids[0].tolist(), new) == _hf_generate(ref, ids, new)
+
+
+@pytest.mark.parametrize("prompt, new", [(4, 11), (20, 20)], ids=["short", "long"])
+def test_cached_decode_equals_naive_recomputation(model_dirs, prompt, new):
+    ours = load(str(model_dirs(LONG)), device="cpu", dtype="float32")
+    seq = prompt_ids(prompt, seed=5)
+    cache = KVCache(ours.config, 1, 64, torch.float32, "cpu")
+    logits = ours.model(seq, cache)
+    for _ in range(new):
+        nxt = logits.argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+        logits = ours.model(nxt, cache)
+        naive = ours.model(seq, KVCache(ours.config, 1, 64, torch.float32, "cpu"))
+        assert (logits - naive).abs().max() < 1e-5
+
+
+def test_batch_rows_choose_their_factors_alone(model_dirs):
+    """Rows of one batch on both sides of the boundary (one crossing it) each give what they
+    give alone: the factors follow each row's own length, not the batch's widest row."""
+    ours = load(str(model_dirs(LONG)), device="cpu", dtype="float32")
+    engine = Engine(ours.model, ours.tokenizer, ours.eos_token_ids)
+    prompts = [prompt_ids(n, seed=20 + n)[0].tolist() for n in (5, 19, 8)]
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in (20, 12, 6)]
+    alone = [list(engine.generate(Request(ids=p), s, reuse_cache=False))[-1].result.token_ids
+             for p, s in zip(prompts, settings)]
+    batched = {e.row: e.result.token_ids for e in engine.generate_batch([Request(ids=p) for p in prompts], settings)
+               if type(e).__name__ == "Done"}
+    assert [batched[i] for i in range(3)] == alone
+
+
+def _hub_forms(cfg: dict) -> dict[str, dict]:
+    """The Hub's spellings of the same rope settings: rope_theta, partial_rotary_factor and
+    original_max_position_embeddings at the top level, rope_scaling of type su / longrope
+    (and yarn, which transformers' Phi3Config reads as longrope)."""
+    rope = dict(cfg.pop("rope_parameters"))
+    base = {**cfg, "rope_theta": rope.pop("rope_theta"), "partial_rotary_factor": rope.pop("partial_rotary_factor")}
+    rope.pop("rope_type")
+    original = rope.pop("original_max_position_embeddings")
+    forms = {kind: {**base, "rope_scaling": {"type": kind, **rope}} for kind in ("su", "longrope", "yarn")}
+    # transformers 5.24 wants it inside rope_scaling too (else a KeyError while it validates)
+    forms["inner"] = {**base, "rope_scaling": {"type": "longrope", **rope, "original_max_position_embeddings": original}}
+    return forms
+
+
+@pytest.mark.parametrize("family", ["phi3", LONG])
+def test_hub_config_forms_give_the_same_logits(model_dirs, tmp_path, family):
+    src = model_dirs(family)
+    ids = prompt_ids(30, seed=9)  # past phi3-long's 16 (long factors), within phi3's 64 (short)
+    a = load(str(src), device="cpu").model
+    expected = a(ids, KVCache(a.config, 1, 32, torch.float32, "cpu"), all_logits=True)
+    for kind, cfg in _hub_forms(json.loads((src / "config.json").read_text())).items():
+        hub = tmp_path / kind
+        shutil.copytree(src, hub)
+        (hub / "config.json").write_text(json.dumps(cfg))
+        b = load(str(hub), device="cpu").model
+        got = b(ids, KVCache(b.config, 1, 32, torch.float32, "cpu"), all_logits=True)
+        assert torch.equal(got, expected), kind
+        if kind == "inner":  # transformers reads the old form the same way
+            assert (got - hf_model(hub)(ids).logits).abs().max() < 1e-4
+
+
+def test_parameter_count_equals_transformers(model_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for tied in (False, True):
+        hf = tiny.hf_config("phi3")
+        hf.tie_word_embeddings = tied
+        model = AutoModelForCausalLM.from_config(hf)
+        raw = json.loads(hf.to_json_string())
+        assert config_from_dict(raw).parameter_count() == sum(p.numel() for p in model.parameters()), tied
+
+
+def test_features_and_fast_steps(model_dirs):
+    """Partial rotary is declared; the compiled step (full head_dim RoPE) refuses it; the
+    engine then decodes with the eager layers (or a native step that implements it)."""
+    from twice.core import fastpath, native_decode
+
+    ours = load(str(model_dirs(LONG)), device="cpu", dtype="float32")
+    assert ours.model.features() == {"block:llama", "act:silu", "rope:partial", "window"}
+    assert not fastpath.supported(ours.model)
+    engine = Engine(ours.model, ours.tokenizer, ours.eos_token_ids, compile=True)
+    assert engine.decode_path == ("native" if native_decode.supported(ours.model) else "eager")
+
+
+@pytest.fixture(scope="module")
+def full_rotary(tmp_path_factory, tokenizer):
+    """phi3-long with every dimension rotating (Phi-3-mini / Phi-3.5-mini: longrope, full rotary)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("phi3-full")
+    hf = tiny.hf_config(LONG)
+    hf.rope_parameters = {**hf.rope_parameters, "partial_rotary_factor": 1.0,
+                          "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.4, 3.0],
+                          "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf).eval().save_pretrained(folder)
+    tiny.save_tokenizer(folder, tokenizer)
+    return folder
+
+
+def test_full_rotary_longrope_greedy_and_native_step(full_rotary):
+    """Without partial rotary a phi3 model declares only llama features: a decode step that
+    indexes rope.cos by position takes the short rows below 16 and the long rows from 16 on,
+    what a one-token pass there uses. Greedy tokens equal transformers' generate (prompt past
+    the boundary); the native step, where it runs, equals the eager layers."""
+    from twice.core import native_decode
+
+    ours, ref = load(str(full_rotary), device="cpu", dtype="float32"), hf_model(full_rotary)
+    assert ours.model.features() == {"block:llama", "act:silu", "window"}
+    ids = prompt_ids(18, seed=4)
+    assert _generate(ours, ids[0].tolist(), 24) == _hf_generate(ref, ids, 24)
+    if native_decode.supported(ours.model):
+        eager = Engine(ours.model, ours.tokenizer, native=False)
+        native = Engine(ours.model, ours.tokenizer)
+        assert native.decode_path == "native"
+        for prompt in (prompt_ids(5, seed=1)[0].tolist(), ids[0].tolist()):  # crosses 16 while decoding; past it
+            s = GenerationSettings(max_new_tokens=20, ignore_eos=True)
+            assert (list(native.generate(Request(ids=prompt), s))[-1].result.token_ids
+                    == list(eager.generate(Request(ids=prompt), s))[-1].result.token_ids)
+
+
+def test_quantize_q8_0_runs_phi3(model_dirs):
+    from twice.weights.gguf_write import ARCHITECTURES
+
+    if "phi3" not in ARCHITECTURES:  # --quantize picks types by GGUF name (weights/gguf_names.py)
+        pytest.skip("phi3's GGUF names (attn_qkv, ffn_up = gate|up) are not in weights/gguf_names.py yet")
+    q = load(str(model_dirs("phi3")), device="cpu", dtype="float32", weights="q8_0")
+    f = load(str(model_dirs("phi3")), device="cpu", dtype="float32")
+    ids = prompt_ids(12, seed=2)
+    a = q.model(ids, KVCache(q.config, 1, 16, torch.float32, "cpu"))
+    b = f.model(ids, KVCache(f.config, 1, 16, torch.float32, "cpu"))
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_tensor_parallelism_is_refused_in_one_line(model_dirs):
+    from twice.core.parallel import Shard
+
+    with pytest.raises(UnsupportedModelError) as e:
+        load(str(model_dirs("phi3")), device="cpu", shard=Shard(rank=0, world=2))
+    assert "\n" not in str(e.value) and "--tp" in str(e.value) and "qkv_proj" in str(e.value)
+
+
+# -- bad configs: one line naming the field ---------------------------------------------------------------
+def _phi3_config() -> dict:
+    return json.loads(tiny.hf_config(LONG).to_json_string())
+
+
+def _rope(**changes):
+    def edit(cfg):
+        cfg["rope_parameters"].update(changes)
+    return edit
+
+
+def _hub(**changes):
+    def edit(cfg):
+        cfg.update(_hub_forms(cfg)["su"])
+        cfg["rope_scaling"].update(changes)
+    return edit
+
+
+BAD = [
+    (_rope(short_factor=[1.0] * 5), ConfigError,
+     "rope_parameters.short_factor must be a list of 6 numbers (one per pair of the 12 rotary dimensions), "
+     "got 5 entries"),
+    (_rope(long_factor=[1.0] * 8), ConfigError, "rope_parameters.long_factor must be a list of 6 numbers"),
+    (_rope(long_factor=[1.0, 2.0, 0.0, 1.0, 1.0, 1.0]), ConfigError,
+     "rope_parameters.long_factor[2] must be a number in [1e-06, 1,000,000], got 0.0"),
+    (_rope(short_factor=[1.0, "2", 1.0, 1.0, 1.0, 1.0]), ConfigError, "rope_parameters.short_factor[1] must be a number"),
+    (_rope(short_factor=None), ConfigError, "rope_parameters.short_factor is missing"),
+    (_rope(long_factor=2.0), ConfigError, "rope_parameters.long_factor must be a list, got 2.0"),
+    (_rope(partial_rotary_factor=1.5), ConfigError, "rope_parameters.partial_rotary_factor must be a number in (0, 1]"),
+    (_rope(partial_rotary_factor=0), ConfigError, "rope_parameters.partial_rotary_factor must be a number in (0, 1]"),
+    (_rope(partial_rotary_factor=0.5625), ConfigError,  # 16 · 0.5625 = 9 dimensions
+     "partial_rotary_factor 0.5625 of head_dim 16 gives a rotary dimension of 9; it must be even and at least 2"),
+    (_rope(factor=0.5), ConfigError, "rope_parameters.factor must be a number in [1, 1,000,000], got 0.5"),
+    (_rope(attention_factor=-1), ConfigError, "rope_parameters.attention_factor must be a number in (0"),
+    (_rope(rope_type="linear", factor=2.0), UnsupportedModelError, "phi3 rope type 'linear' is not supported"),
+    (_hub(short_factor=[1.0] * 7), ConfigError, "rope_scaling.short_factor must be a list of 6 numbers"),
+    (_hub(long_factor=[1.0, 1.0, 1.0, 1.0, 1.0, float("nan")]), ConfigError, "rope_scaling.long_factor[5] must be a number"),
+    (lambda cfg: cfg.update(original_max_position_embeddings=0), ConfigError,
+     "original_max_position_embeddings must be an integer in [2, 2,147,483,647], got 0"),
+]
+
+
+@pytest.mark.parametrize("edit, error, words", BAD, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_rope_fields_are_one_line_naming_the_field(edit, error, words):
+    cfg = _phi3_config()
+    edit(cfg)
+    with pytest.raises(error) as e:
+        config_from_dict(copy.deepcopy(cfg), "config.json")
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("config.json: ") and words in str(e.value), str(e.value)
+
+
+def test_bad_factor_list_through_the_cli_loses_nothing(model_dirs, tmp_path, capsys):
+    folder = tmp_path / "bad"
+    shutil.copytree(model_dirs(LONG), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"]["long_factor"] = [1.0, 2.0]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    line = one_error_line(run_inprocess(["generate", "hi", "--model", str(folder), "-n", "2"], capsys))
+    assert "rope_parameters.long_factor must be a list of 6 numbers" in line and "got 2 entries" in line
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_every_accepted_longrope_field_computes():
+    """The corners of each accepted range give finite frequencies and scaling."""
+    import math
+
+    from twice.core.rope import inverse_frequencies
+
+    for key, value in (("factor", 1), ("factor", 1e6), ("attention_factor", 1e-300), ("attention_factor", 1e6),
+                       ("short_factor", [1e-6] * 6), ("long_factor", [1e6] * 6)):
+        cfg = _phi3_config()
+        cfg["rope_parameters"][key] = value
+        for orig in (1, 2, 2**31 - 1):
+            cfg["original_max_position_embeddings"] = orig
+            try:
+                parsed = config_from_dict(copy.deepcopy(cfg))
+            except TwiceError as e:
+                assert "\n" not in str(e)
+                continue
+            for long in (False, True):
+                inv, scaling = inverse_frequencies(parsed, long=long)
+                assert math.isfinite(scaling) and not inv.isnan().any(), (key, value, orig)
