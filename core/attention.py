@@ -82,11 +82,16 @@ class CausalAfter:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | str | CausalAfter | None", scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | str | CausalAfter | None", scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, kv_heads, S, D] → [B, T, H*D]. Query head h uses KV head
-    h // (H / kv_heads), transformers' repeat_kv order."""
+    h // (H / kv_heads), transformers' repeat_kv order. `softcap` (gemma2's
+    attn_logit_softcapping) caps the scores at ±softcap (tanh(s / cap) · cap, before the mask),
+    which neither SDPA nor the native kernel can: those scores are computed explicitly."""
     b, h, t, d = q.shape
+    if softcap is not None:
+        return _capped_attention(q, k, v, mask, scale, softcap)
     gqa = k.shape[1] != h
     if mask is CAUSAL or isinstance(mask, CausalAfter):
         # New tokens on the CPU: the native kernel, 2.8× SDPA's in bf16 (kernels/prefill.c).
@@ -103,6 +108,26 @@ def attend(
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """attend() with soft-capped scores, as transformers' eager_attention_forward computes it:
+    scores in the activation dtype, capped, masked, softmax in float32, cast back."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    if groups > 1:  # repeat_kv: query head i reads kv head i // groups
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if isinstance(mask, CausalAfter):
+        mask = mask.mask
+    elif mask is CAUSAL:  # a fresh prompt: query t sees columns [0, t]
+        mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(b, t, h * d)
+
+
 class CachedSelfAttention(torch.nn.Module):
     """Fused QKV projection, optional q/k norm and RoPE, cache write, attention, output
     projection. Used by the llama family (with rope) and gpt2 (without). Under tensor
@@ -110,7 +135,7 @@ class CachedSelfAttention(torch.nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
                  scale: float, layer: int, window: int | None, qk_norm: torch.nn.Module | None = None,
-                 k_norm: torch.nn.Module | None = None, shard=None):
+                 k_norm: torch.nn.Module | None = None, shard=None, softcap: float | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
@@ -118,6 +143,7 @@ class CachedSelfAttention(torch.nn.Module):
         self.o_proj = ReducedLinear(self.q_size, hidden, bias=o_bias, shard=shard)
         self.q_norm, self.k_norm = qk_norm, k_norm
         self.scale, self.layer, self.window = scale, layer, window
+        self.softcap = softcap  # attention-logit soft-cap (gemma2); None: SDPA / the native kernel
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -131,4 +157,4 @@ class CachedSelfAttention(torch.nn.Module):
         if rope is not None:
             q, k = rope(q), rope(k)
         keys, values = cache.write(self.layer, step.column, k, v)
-        return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale))
+        return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale, self.softcap))

@@ -52,6 +52,22 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x.to(dtype)
 
 
+class OffsetRMSNorm(torch.nn.Module):
+    """transformers' Gemma2RMSNorm / Gemma3RMSNorm ("norm:offset1"): normalize and scale by
+    (1 + w), both in float32, then cast to the input's dtype. The checkpoint stores w (zero
+    means no scaling)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     # GPT-2's tanh approximation, written as transformers' NewGELUActivation writes it.
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))

@@ -49,6 +49,10 @@ class Target:
 
 class CausalLM(torch.nn.Module):
     config: ModelConfig
+    # Checkpoint tensors under these prefixes belong to no part this model runs and are
+    # skipped by the loader (a multimodal checkpoint's vision tower, gemma.py); else an
+    # unknown tensor is an error.
+    unused_prefixes: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
         super().__init__()
@@ -78,6 +82,11 @@ class CausalLM(torch.nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output head's logits as the family returns them (gemma's final soft-cap);
+        identity by default."""
+        return logits
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Run tokens [B, T] at the cache's next columns; return logits [B, T, V] if
         `all_logits` else the last position's [B, V] (prefill needs only that one, and the
@@ -93,7 +102,7 @@ class CausalLM(torch.nn.Module):
         if not all_logits:
             h = h[:, -1]
         logits = product(h, self.lm_head_weight)
-        return self.shard.all_gather_last(logits) if self.vocab_parallel else logits
+        return self.finish_logits(self.shard.all_gather_last(logits) if self.vocab_parallel else logits)
 
     def weight_bytes(self) -> int:
         """Bytes of every parameter and block buffer (each stored tensor once)."""

@@ -92,10 +92,38 @@ def hf_config(family: str):
         extra = {} if family == "phi3" else {"sliding_window": 12}
         return Phi3Config(**{**common, "max_position_embeddings": longest, "original_max_position_embeddings": original,
                              "rope_parameters": rope, "pad_token_id": 0, **extra})
+    if family in ("gemma2", "gemma3", "gemma3-mm"):
+        return gemma_config(family, common)
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3"]
+def gemma_config(family: str, common: dict):
+    """Gemma 2 and 3 at sizes where every feature acts: windows of 8 (the standard checks'
+    prompts are 24+ tokens), sliding and global layers, caps far below the random logits
+    (initializer_range 0.5), query_pre_attn_scalar unlike head_dim, GQA. (make_model also
+    draws the norms' weights: transformers starts gemma's (1 + w) norms at w = 0.)"""
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    base = {**common, "initializer_range": 0.5, "sliding_window": 8, "pad_token_id": 0}
+    if family == "gemma2":  # layers: sliding, global, sliding, global; untied head
+        return Gemma2Config(**{**base, "num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
+                               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0})
+    # gemma3: S S G S S (sliding_window_pattern 3), a local rope base, linear scaling on global
+    # layers, q/k norms, a final cap (transformers applies no attention cap in gemma3), tied head
+    text = Gemma3TextConfig(**{**base, "num_hidden_layers": 5, "head_dim": 24, "query_pre_attn_scalar": 32,
+                               "sliding_window_pattern": 3, "tie_word_embeddings": True,
+                               "final_logit_softcapping": 3.0 if family == "gemma3" else None,
+                               "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 1e6,
+                               "rope_local_base_freq": 10000.0})
+    if family == "gemma3":
+        return text
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=16, patch_size=8)
+    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                        tie_word_embeddings=True)
+
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3"]
 
 
 def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:
@@ -104,6 +132,11 @@ def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    if family.startswith("gemma"):  # transformers starts gemma's (1 + w) norms at w = 0
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     save_tokenizer(folder, tok)
     return folder

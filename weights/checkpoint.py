@@ -325,7 +325,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
         for name, tf in iter_tensors(files):
             target = targets.get(name)
             if target is None:
-                if not name.endswith(_IGNORED_SUFFIXES):
+                if not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(model.unused_prefixes):
                     unexpected.append(name)
                 continue
             if target.key in filled:  # a second tensor for the same place: it must say the same
