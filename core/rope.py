@@ -121,8 +121,11 @@ class RotaryTables:
     every position of that pass). `cos`/`sin`, the tables the decode steps index by
     position, hold the short factors' rows below original_max_position_embeddings and the
     long factors' from there on: exactly what a one-token step at that position uses.
-    `lookup` (the eager layers, prefill) takes, per row, the long table for every position
-    once the row's last position is past the boundary (`long_cos`/`long_sin`)."""
+    `lookup` (the eager layers) does the same for a pass that continues a row (a later
+    prefill chunk, a speculative verify pass, a chat turn: they agree with token-by-token
+    decoding), and for a pass that starts a row (its first position 0, a prompt) takes the
+    long table for every position once the row's last position is past the boundary
+    (`long_cos`/`long_sin`), as transformers' forward of the whole sequence does."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         self.inv_freq, self.scaling = inverse_frequencies(config)
@@ -158,7 +161,8 @@ class RotaryTables:
         """positions [B, T] → cos, sin [B, 1, T, rotary_dim] (broadcast over heads)."""
         cos, sin = self.cos[positions], self.sin[positions]
         if self.boundary is not None:
-            long = (positions.amax(dim=1) + 1 > self.boundary).view(-1, 1, 1)  # per row: its own length
+            # per row, by its own length; a row continuing its cache keeps the per-position rows
+            long = ((positions[:, 0] == 0) & (positions.amax(dim=1) + 1 > self.boundary)).view(-1, 1, 1)
             cos = torch.where(long, self.long_cos[positions], cos)
             sin = torch.where(long, self.long_sin[positions], sin)
         return cos.unsqueeze(1), sin.unsqueeze(1)

@@ -78,6 +78,21 @@ def test_a_step_across_the_boundary_equals_transformers_cached_forward(model_dir
         assert (ours.model(ids[:, t: t + 1], cache)[0] - step).abs().max() < 1e-4, t
 
 
+def test_a_pass_continuing_a_row_equals_its_tokens_one_by_one(model_dirs):
+    """A later prefill chunk or a speculative verify pass that crosses 16 takes, position by
+    position, what one-token steps there take (short below 16, long from 16): chunking a
+    prompt, or verifying drafted tokens, does not change the result across the boundary."""
+    ours = load(str(model_dirs(LONG)), device="cpu", dtype="float32")
+    ids = prompt_ids(22, seed=13)
+    chunked, stepped = (KVCache(ours.config, 1, 64, torch.float32, "cpu") for _ in range(2))
+    ours.model(ids[:, :10], chunked)
+    ours.model(ids[:, :10], stepped)
+    got = ours.model(ids[:, 10:], chunked, all_logits=True)
+    for t in range(10, 22):
+        assert (ours.model(ids[:, t: t + 1], stepped)[0] - got[0, t - 10]).abs().max() < 1e-5, t
+    assert (chunked.k[:, :, :, :22] - stepped.k[:, :, :, :22]).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("prompt, new", [(5, 11), (20, 32)], ids=["short", "long"])
 def test_greedy_tokens_equal_generate_without_a_crossing(model_dirs, prompt, new):
     folder = model_dirs(LONG)
