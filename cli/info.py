@@ -40,6 +40,9 @@ def info(
     rows = [
         ("architecture", f"{facts['model_type']} ({facts['folder']})"),
         ("parameters", f"{facts['parameters']:,} ({human_count(facts['parameters'])})"),
+        *([("active parameters", f"{facts['active_parameters']:,} ({human_count(facts['active_parameters'])}) per "
+             f"token: the chosen experts', {human_bytes(facts['active_weight_bytes'])} of weights read")]
+          if facts["active_parameters"] != facts["parameters"] else []),
         ("stored dtype", str(facts["stored_dtype"])),
         ("weights", _weights(facts)),
         ("dtype", f"{facts['dtype']} ({facts['dtype_reason']})"),

@@ -144,13 +144,18 @@ def timing_table(result, loaded) -> Table:
     where = "torch.cuda.max_memory_allocated" if r.device.startswith("cuda") else "peak process RSS"
     t.add_row("memory", "peak", human_bytes(r.peak_memory_bytes), where)
     t.add_row("", "weights", human_bytes(r.weight_bytes), weights_words(r))
+    active = getattr(r, "active_weight_bytes", 0)
+    if active and active != r.weight_bytes:
+        t.add_row("", "active weights", human_bytes(active),
+                  "read per decode step: all but the experts the router did not choose")
     why = getattr(loaded, "dtype_reason", "")
     t.add_row("", "device / dtype", f"{r.device} / {r.dtype}",
               "where the model ran, and its weights' dtype" + (f" ({why})" if why else ""))
     bw = bandwidth(r)
     if bw["achieved_bytes_per_s"]:
         t.add_row("bandwidth", "achieved", f"{bw['achieved_bytes_per_s'] / 1e9:,.2f} GB/s",
-                  f"(weight bytes + mean KV bytes read per step = {human_bytes(bw['bytes_read_per_token'])}) "
+                  f"({'active ' if active and active != r.weight_bytes else ''}weight bytes + mean KV bytes read "
+                  f"per step = {human_bytes(bw['bytes_read_per_token'])}) "
                   "× decode tokens/s")
         if bw["fraction_of_peak"] is not None:
             t.add_row("", "of device peak", f"{100 * bw['fraction_of_peak']:.1f}%",

@@ -32,6 +32,9 @@ class Family:
     # ModelConfig → parameters as stored (a tied head counted once); checked against the
     # checkpoint's size before anything is built.
     parameter_count: Callable[[Any], int]
+    # ModelConfig → the parameters one token's forward pass reads (a mixture of experts reads
+    # only its chosen experts'); None: all of them (parameter_count).
+    active_parameter_count: Callable[[Any], int] | None = None
     # transformers' defaults per model_type, for fields a config.json may leave out.
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Older field names read as the shared ones (GPT-2's n_embd → hidden_size, ...).

@@ -34,13 +34,16 @@ class Source:
 class Target:
     """Where one checkpoint tensor goes: `param`, rows [row, row + rows) of it if `rows`,
     transposed first if `transpose` (GPT-2's Conv1D stores [in, out]); only the `source`
-    slice of the checkpoint tensor when the model is split across ranks."""
+    slice of the checkpoint tensor when the model is split across ranks. `stored_shape`: the
+    checkpoint tensor's shape when it differs from the rows it fills only by how the leading
+    dimensions group (stacked experts [experts, rows, in] filling [experts · rows, in])."""
 
     param: str
     row: int = 0
     rows: int | None = None
     transpose: bool = False
     source: Source | None = None
+    stored_shape: tuple[int, ...] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -103,6 +106,11 @@ class CausalLM(torch.nn.Module):
             h = h[:, -1]
         logits = product(h, self.lm_head_weight)
         return self.finish_logits(self.shard.all_gather_last(logits) if self.vocab_parallel else logits)
+
+    def active_weight_bytes(self) -> int:
+        """Bytes of the weights one token's decode step reads: all of them, except in a
+        mixture of experts (moe.py), where only the chosen experts' count."""
+        return self.weight_bytes()
 
     def weight_bytes(self) -> int:
         """Bytes of every parameter and block buffer (each stored tensor once)."""

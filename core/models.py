@@ -9,14 +9,14 @@ import torch
 
 from .config import ModelConfig
 from .hugepages import place_parameters
-from . import gemma, gpt2, llama, olmo2, phi3
+from . import gemma, gpt2, llama, moe, olmo2, phi3
 from .family import Family
 from .model import CausalLM
 from .parallel import SINGLE, Shard
 from .qweight import materialize, store_as_blocks
 
 # Every family module, once: its FAMILY names the model_types it reads (family.py).
-FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, gpt2, olmo2, phi3, gemma) for t in m.FAMILY.model_types}
+FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, gpt2, olmo2, phi3, gemma, moe) for t in m.FAMILY.model_types}
 
 
 def family(model_type: str) -> Family:

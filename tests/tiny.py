@@ -94,6 +94,23 @@ def hf_config(family: str):
                              "rope_parameters": rope, "pad_token_id": 0, **extra})
     if family in ("gemma2", "gemma3", "gemma3-mm"):
         return gemma_config(family, common)
+    if family == "mixtral":  # 8 experts, top-2, a window the tests' prompts cross
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**{**common, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 12})
+    if family in ("qwen3_moe", "qwen3_moe-nonorm"):  # more experts than top-k; a dense layer among sparse ones
+        from transformers import Qwen3MoeConfig
+
+        norm = family == "qwen3_moe"
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3, "head_dim": 24, "num_experts": 8,
+                                 "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": norm,
+                                 "mlp_only_layers": [1] if norm else [], "decoder_sparse_step": 1 if norm else 2})
+    if family == "qwen2_moe":  # a shared expert with its sigmoid gate; a sliding layer below max_window_layers
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**{**common, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 64, "use_sliding_window": True,
+                                 "sliding_window": 12, "max_window_layers": 2})
     raise KeyError(family)
 
 
@@ -123,7 +140,7 @@ def gemma_config(family: str, common: dict):
                         tie_word_embeddings=True)
 
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_moe-nonorm", "qwen2_moe"]
 
 
 def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:

@@ -343,10 +343,27 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else "")
         raise WeightsError(f"{folder}: tensors not used by a {model.config.model_type} model: {shown}")
-    missing = sorted({n for n, t in targets.items() if t.key not in filled and not n.startswith("transformer.")})
+    spans: dict[str, list[tuple[int, int]]] = {}  # rows filled per parameter
+    for name, t in targets.items():
+        if t.key in filled and filled[t.key][0] == name:
+            spans.setdefault(t.param, []).append((t.row, t.row + (t.rows if t.rows is not None else 1)))
+    missing = sorted({n for n, t in targets.items() if t.key not in filled and not n.startswith("transformer.")
+                      and not _covered(spans.get(t.param, ()), t.row, t.row + (t.rows or 1))})
     if missing:
         shown = ", ".join(missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
         raise WeightsError(f"{folder}: checkpoint is missing tensors: {shown}")
+
+
+def _covered(spans, start: int, stop: int) -> bool:
+    """Rows [start, stop) lie inside the union of the filled `spans` (one stacked tensor
+    fills the rows of every per-expert target, and the other way round)."""
+    for lo, hi in sorted(spans):
+        if lo > start:
+            return False
+        start = max(start, hi)
+        if start >= stop:
+            return True
+    return False
 
 
 def _check_same(model: CausalLM, first: tuple[str, TensorFile], second: tuple[str, TensorFile], target: Target,
@@ -379,12 +396,15 @@ def _checked_read(tf: TensorFile, name: str, target: Target, param: torch.Tensor
     against the place it fills."""
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
     expected = list(dest.shape[::-1]) if target.transpose else list(dest.shape)
+    if target.stored_shape is not None:  # stacked experts: the same values, grouped by expert
+        expected = list(target.stored_shape)
     if target.source is not None:  # this rank keeps a slice: the file holds the whole tensor
         expected[target.source.dim] = target.source.total
     shape = tf.shape(name)
     if shape != tuple(expected):
         raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {expected}")
-    return tf.read(name, target.source, scratch)
+    tensor = tf.read(name, target.source, scratch)
+    return tensor.reshape(dest.shape) if target.stored_shape is not None else tensor
 
 
 def _copy(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> None:

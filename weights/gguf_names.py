@@ -38,7 +38,21 @@ _OLMO2 = (
      "ffn_down": "mlp.down_proj"},
     "model.layers",
 )
-TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2}
+# Mixtures of experts (core/moe.py): llama.cpp stacks the experts of a layer in one tensor
+# (ffn_gate_exps [experts, inter, hidden], ...); a checkpoint's per-expert tensors all name it
+# (`experts.*.` stands for any expert number; only checkpoint → GGUF names use these, for
+# --quantize's types: reading and writing such files is not done yet).
+_EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.*.gate_proj",
+            "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj",
+            "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+            "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_MIXTRAL = (_LLAMA[0], {**_LLAMA[1], "ffn_gate_inp": "block_sparse_moe.gate",
+                        "ffn_gate_exps": "block_sparse_moe.experts.*.w1", "ffn_up_exps": "block_sparse_moe.experts.*.w3",
+                        "ffn_down_exps": "block_sparse_moe.experts.*.w2"}, "model.layers")
+_QWEN_MOE = (_LLAMA[0], {**_LLAMA[1], **_EXPERTS}, "model.layers")
+TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2, "mixtral": _MIXTRAL,
+          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE}
+_EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 # GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF
 # (convert_hf_to_gguf transposes them), which is the layout twice's linear layers hold.
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
@@ -51,7 +65,7 @@ def hf_name(gguf_name: str, layers: int, arch: str = "llama") -> str | None:
     if gguf_name in glob:
         return glob[gguf_name]
     match = _GGUF_LAYER.fullmatch(gguf_name)
-    if match and int(match[1]) < layers and match[2] in table:
+    if match and int(match[1]) < layers and match[2] in table and "*" not in table[match[2]]:
         return f"{prefix}.{int(match[1])}.{table[match[2]]}.{match[3]}"
     return None
 
@@ -68,7 +82,7 @@ def gguf_name(hf: str, arch: str, layers: int) -> str | None:
         return None
     rest = hf[len(prefix) + 1:]
     index, _, leaf = rest.partition(".")
-    stem, _, kind = leaf.rpartition(".")
+    stem, _, kind = _EXPERT_NUMBER.sub(".experts.*.", "." + leaf)[1:].rpartition(".")
     if not index.isdigit() or int(index) >= layers or kind not in ("weight", "bias"):
         return None
     for g, h in table.items():

@@ -51,6 +51,9 @@ FILE_TYPES: dict[str, int] = {
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                  "olmo2": "olmo2"}
+# Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
+# written as files (the writer would have to stack their experts as llama.cpp does).
+_IN_MEMORY_ONLY = {"mixtral": "mixtral", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -452,7 +455,7 @@ def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
 
 def _keeps_float(p: TensorPlan) -> bool:
     """llama.cpp never quantizes 1-D tensors, norms, biases or position embeddings."""
-    return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias"))
+    return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight"))  # + MoE routers
             or p.name in ("position_embd.weight", "rope_freqs.weight"))
 
 
@@ -496,7 +499,7 @@ def memory_types(config: ModelConfig, mixture: str, shapes: dict[str, tuple[int,
     that stay float (position embeddings) are "F32", and a tied head (the embedding) is left
     out. The same rules, fallbacks and one-line refusals as the file."""
     mixture = canonical_mixture(mixture)
-    arch = ARCHITECTURES.get(config.model_type)
+    arch = ARCHITECTURES.get(config.model_type) or _IN_MEMORY_ONLY.get(config.model_type)
     if arch is None:
         raise UnsupportedModelError(f"{where}: model type {config.model_type!r} has no GGUF form")
     tied = config.tie_word_embeddings

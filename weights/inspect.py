@@ -36,6 +36,13 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
             stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
         formats = {"types": {name: params}, "tensors": {}, "weight_bytes": params * element,
                    "bits_per_weight": 8.0 * element}
+    # A mixture of experts reads only its chosen experts' weights per token (family.py).
+    from twice.core.models import family
+
+    counter = family(config.model_type).active_parameter_count
+    active = counter(config) if counter is not None else params
+    active_bytes = (active * element if gguf is None
+                    else formats["weight_bytes"] * active // max(1, params))  # as stored: in proportion
     eos = list(generation.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
@@ -44,9 +51,11 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
         "folder": str(folder),
         "model_type": config.model_type,
         "parameters": params,
+        "active_parameters": active,
         "stored_dtype": ", ".join(sorted(stored)),
         "dtype": name,
         "weight_bytes": formats["weight_bytes"],
+        "active_weight_bytes": active_bytes,
         "weight_format": formats,
         "source": str(gguf) if gguf is not None else None,
         "context_length": config.max_position_embeddings,

@@ -71,6 +71,7 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
 
     targets = model.targets()
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     shapes, local = {}, {}
     for hf, t in targets.items():
         p = params.get(t.param)
@@ -95,7 +96,17 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
                 f"--quantize {mixture}: {hf} would be {type_name} (blocks of {block} values), but each of the "
                 f"{model.shard.world} ranks holds {local[hf][1]} of its columns; use fewer ranks, or no --quantize")
         parts.setdefault(t.param, []).append((t.row, type_name, local[hf][0]))
-    return {p: [(kind, rows) for _, kind, rows in sorted(ps)] for p, ps in parts.items()}
+    layouts = {p: [(kind, rows) for _, kind, rows in sorted(ps)] for p, ps in parts.items()}
+    for p, layout in layouts.items():  # stacked experts (core/experts.py): one part per run of a type
+        if getattr(modules.get(p.removesuffix(".weight")), "stacked", False):
+            merged: list[tuple[str, int]] = []
+            for kind, rows in layout:
+                if merged and merged[-1][0] == kind:
+                    merged[-1] = (kind, merged[-1][1] + rows)
+                else:
+                    merged.append((kind, rows))
+            layouts[p] = merged
+    return layouts
 
 
 def load(ref: str | None = None, revision: str | None = None, device: str = "auto", dtype: str = "auto",
