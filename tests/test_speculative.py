@@ -18,6 +18,16 @@ from twice.weights.load import load
 PROMPT = "def f(x):\n    return x * 2  # code"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster than two fighting a busy machine for its cores
+    (a 64-wide product through two OpenMP threads cost milliseconds under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, tokenizer):
     """family -> folder of a second tiny model of that family (seed 1: it disagrees)."""
@@ -59,11 +69,24 @@ def engine(m, draft=None):
 
 
 # -- exactness ---------------------------------------------------------------------------
-@pytest.mark.parametrize("family,weights", [("llama", None), ("qwen3", None), ("gpt2", None), ("llama", "q8_0")])
+FAMILIES = [("llama", None), ("qwen3", None), ("gpt2", None), ("llama", "q8_0")]
+
+
+@pytest.mark.parametrize("family,weights", FAMILIES)
+def test_greedy_output_is_identical(loaded, family, weights):
+    _greedy_identity(loaded, family, weights, (1, 4, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,weights", FAMILIES)
 def test_greedy_output_is_identical_at_every_k(loaded, family, weights):
+    _greedy_identity(loaded, family, weights, range(1, 9))
+
+
+def _greedy_identity(loaded, family, weights, ks):
     target, other = loaded("target", family, weights), loaded("draft", family)
     plain = generate(engine(target)).token_ids
-    for k in range(1, 9):
+    for k in ks:
         own = generate(engine(target, target), draft_tokens=k)  # the model as its own draft
         assert own.token_ids == plain, k
         assert own.speculation["acceptance_rate"] == 1.0 and own.speculation["proposals"] > 0
@@ -145,7 +168,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 def test_speculative_sampling_follows_the_target_distribution(deterministic):
     """The first token a verify pass yields, over many seeds, is distributed as the target's
     processed distribution p (temperature, top-k, repetition penalty), whatever q proposes."""
-    vocab, k, trials = 8, 3, 2000
+    vocab, k, trials = 8, 2, 1500
     g = torch.Generator().manual_seed(0)
     p_logits = torch.randn(k + 1, vocab, generator=g) * 2
     q_logits = torch.randn(k + 1, vocab, generator=g) * 2
@@ -158,7 +181,7 @@ def test_speculative_sampling_follows_the_target_distribution(deterministic):
         guesses, qs = [], []
         for j in range(k):
             if deterministic:  # a lookup-like proposer: fixed guesses, q one-hot
-                guesses.append([3, 5, 0][j])
+                guesses.append([3, 5][j])
             else:
                 q = sampler.distribution(0, q_logits[j], guesses)
                 qs.append(q)
