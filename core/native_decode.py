@@ -30,7 +30,8 @@ class _Dims(ctypes.Structure):
         # What the newer families need (decode.c's Dims; zero = llama's).
         ("cos_local", ctypes.c_void_p), ("sin_local", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in ("block", "norm", "act", "qk_full", "rot")] + [
-        (name, ctypes.c_float) for name in ("attn_cap", "final_cap", "embed_scale", "pad_")]
+        (name, ctypes.c_float) for name in ("attn_cap", "final_cap", "embed_scale", "pad_")] + [
+        (name, ctypes.c_int64) for name in ("experts", "top_k", "moe_inter", "renorm", "float_weights")]
 
 
 BLOCKS = {"block:llama": 0, "block:sandwich": 1, "block:post_norm": 2}
@@ -57,7 +58,13 @@ class _Weight(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in _VECTORS] + [(name, _Weight) for name in _MATRICES]
                 + [("window", ctypes.c_int64), ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p),
-                   ("local", ctypes.c_int64)])
+                   ("local", ctypes.c_int64), ("moe", ctypes.c_int64), ("router", _Weight),
+                   ("experts_gate_up", _Weight), ("experts_down", _Weight)])
+
+
+def _sparse(mlp) -> bool:
+    """A router and stacked experts (experts.SparseMoE) rather than one gated MLP."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
 def _weight_ok(w, dtype: torch.dtype) -> bool:
@@ -75,7 +82,7 @@ IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_b
                         "window",
                         "block:post_norm", "qk_norm:full", "block:sandwich", "norm:offset1",
                         "act:gelu_pytorch_tanh", "embed_scale", "attn_softcap", "final_softcap", "rope:local",
-                        "rope:partial"})
+                        "rope:partial", "moe"})
 
 
 def _block_norms(block, kind: int) -> dict:
@@ -160,15 +167,25 @@ def supported(model: CausalLM) -> bool:
     if kind is None or act is None or model.config.head_dim > 1024:
         return False
     matrices = [model.lm_head_weight, model.embed_tokens.weight]
+    experts = set()
     for block in model.layers:
         a, m = block.self_attn, block.mlp
-        matrices += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+        matrices += [a.qkv_proj.weight, a.o_proj.weight]
+        if _sparse(m):  # "moe": router + stacked experts; a shared expert ("moe:shared") is not implemented
+            if "moe" not in features or getattr(m, "shared_expert", None) is not None or m.gate.bias is not None:
+                return False
+            experts.add((m.experts.experts, m.top_k, m.experts.intermediate, m.renormalize, m.float_weights))
+            matrices += [m.gate.weight, m.experts.gate_up_proj.weight, m.experts.down_proj.weight]
+        else:
+            matrices += [m.gate_up_proj.weight, m.down_proj.weight]
         if any(w is None for w in _block_norms(block, kind).values()):
             return False
         if "qk_norm" in features or "qk_norm:full" in features:
             sizes = (a.q_size, a.kv_size) if "qk_norm:full" in features else (a.head_dim, a.head_dim)
             if a.q_norm is None or a.k_norm is None or (a.q_norm.weight.numel(), a.k_norm.weight.numel()) != sizes:
                 return False
+    if len(experts) > 1 or any(not 0 < k <= e for e, k, *_ in experts):
+        return False  # one expert shape for every sparse layer (decode.c's Dims holds one)
     tables = [getattr(model, "rope", None)] + ([getattr(model, "rope_local", None)] if "rope:local" in features else [])
     if any(t is None for t in tables) or len({t.cos.shape[-1] for t in tables}) != 1:
         return False
@@ -214,38 +231,50 @@ class NativeDecoder:
         self.lib = kernels.library()
         self.dtype = model.norm.weight.dtype
         layers = model.layers
-        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        attn0 = layers[0].self_attn
+        dense = [b.mlp for b in layers if not _sparse(b.mlp)]
+        sparse = [b.mlp for b in layers if _sparse(b.mlp)]
         features = model.features()
         kind = _block_kind(features)
         self.dims = _Dims(hidden=c.hidden_size, heads=attn0.heads, kv_heads=attn0.kv_heads, head_dim=c.head_dim,
-                          inter=mlp0.intermediate, vocab=model.lm_head_weight.shape[0], layers=len(layers),
+                          inter=dense[0].intermediate if dense else c.intermediate_size, vocab=model.lm_head_weight.shape[0], layers=len(layers),
                           eps=c.rms_norm_eps, scale=attn0.scale, bf16=int(self.dtype == torch.bfloat16),
                           block=kind, norm=norm_kind(model), act=_activation(features),
                           qk_full=int("qk_norm:full" in features),
                           attn_cap=layers[0].self_attn.softcap if "attn_softcap" in features else 0.0,
                           final_cap=model.options.final_logit_softcapping if "final_softcap" in features else 0.0,
                           embed_scale=float(model.embed_scale) if "embed_scale" in features else 0.0)
+        if sparse:
+            s = sparse[0]
+            self.dims.experts, self.dims.top_k, self.dims.moe_inter = s.experts.experts, s.top_k, s.experts.intermediate
+            self.dims.renorm, self.dims.float_weights = int(s.renormalize), int(s.float_weights)
         self.local = "rope:local" in features
         width = model.rope.cos.shape[-1]
         self.dims.rot = width if width != c.head_dim else 0
         self.layers = (_Layer * len(layers))()
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
+            moe = _sparse(m)
             vectors = {
                 "in_norm": None, "qkv_bias": a.qkv_proj.bias,
                 "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                 "k_norm": a.k_norm.weight if a.k_norm is not None else None,
                 "o_bias": a.o_proj.bias, "post_norm": None,
-                "gate_up_bias": m.gate_up_proj.bias, "down_bias": m.down_proj.bias,
+                "gate_up_bias": None if moe else m.gate_up_proj.bias, "down_bias": None if moe else m.down_proj.bias,
                 "pre_ff_norm": None, "post_ff_norm": None,
             }
             vectors.update(_block_norms(block, kind))
             for name, t in vectors.items():
                 setattr(self.layers[i], name, _pointer(t))
-            matrices = {"qkv": a.qkv_proj.weight, "o": a.o_proj.weight, "gate_up": m.gate_up_proj.weight,
-                        "down": m.down_proj.weight}
-            for name in _MATRICES:
-                setattr(self.layers[i], name, _describe(matrices[name]))
+            matrices = {"qkv": a.qkv_proj.weight, "o": a.o_proj.weight}
+            if moe:  # decode.c reads expert e's rows of the stacked matrices (experts.py's layout)
+                self.layers[i].moe = 1
+                matrices.update(router=m.gate.weight, experts_gate_up=m.experts.gate_up_proj.weight,
+                                experts_down=m.experts.down_proj.weight)
+            else:
+                matrices.update(gate_up=m.gate_up_proj.weight, down=m.down_proj.weight)
+            for name, w in matrices.items():
+                setattr(self.layers[i], name, _describe(w))
             self.layers[i].window = a.window or 0
             self.layers[i].local = int(self.local and block.local_rope)
         self.final_norm = _pointer(model.norm.weight)

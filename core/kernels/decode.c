@@ -32,6 +32,7 @@ void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq);
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads);
 void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads);
+int64_t q_row_bytes(int type, int64_t n);
 
 /* What a family needs beyond llama's block (native_decode.py reads it off the model's
  * declared features): the block kind, the RMSNorm kind, the gated MLP's activation, q/k norms
@@ -55,6 +56,10 @@ typedef struct {
     float attn_cap, final_cap; /* tanh soft-caps: s → tanh(s / cap) · cap; 0: none */
     float embed_scale;         /* the embedding row times this (a model-dtype value), rounded; 0: none */
     float pad_;
+    /* moe (Layer.moe layers): `experts` gated MLPs of `moe_inter` rows, `top_k` per token by the
+     * router's float32 softmax, renormalized if `renorm`, the weights cast to the model dtype
+     * unless `float_weights` (experts.py). */
+    int64_t experts, top_k, moe_inter, renorm, float_weights;
 } Dims;
 
 /* A matrix as its stored parts, top to bottom (native_decode.py, qweight.BlockWeight): each
@@ -71,6 +76,9 @@ typedef struct { /* NULL where the model has no such tensor */
     int64_t window; /* sliding window in tokens; 0 = none */
     const void *pre_ff_norm, *post_ff_norm; /* block:sandwich's third and fourth norms; post_norm's second */
     int64_t local; /* 1: rotate with Dims.cos_local / sin_local */
+    int64_t moe;   /* 1: the MLP is the router and the stacked experts below (gate_up/down unused) */
+    Weight router; /* [experts, hidden] */
+    Weight experts_gate_up, experts_down; /* expert e: rows [e·2·moe_inter, +2·moe_inter) / [e·hidden, +hidden) */
 } Layer;
 
 static inline float rnd(const Dims *d, float f) { return d->bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
@@ -147,7 +155,6 @@ static void linear(const Dims *d, const Weight *w, const void *b, const float *x
     for (int64_t r = 0; r < rows; r++) add_round(d, y + r * out, NULL, b, out);
 }
 
-int64_t q_row_bytes(int type, int64_t n);
 static int64_t embed_row_bytes(const Part *e, int64_t n) { return q_row_bytes((int)e->type, n); }
 
 static int64_t act_bytes(const Weight *w, int64_t n) { /* prepared-activation bytes of one row */
@@ -158,6 +165,26 @@ static int64_t act_bytes(const Weight *w, int64_t n) { /* prepared-activation by
             if (b > most) most = b;
         }
     return most;
+}
+
+/* Rows [lo, hi) of a matrix `n` wide as a Weight of its own: the parts they fall in, from
+ * those rows on (a stacked expert's rows, read and nothing else). */
+static Weight sub_weight(const Dims *d, const Weight *w, int64_t lo, int64_t hi, int64_t n) {
+    Weight out = {0};
+    int64_t row = 0;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const Part *part = &w->part[p];
+        const int64_t a = lo > row ? lo : row, b = hi < row + part->rows ? hi : row + part->rows;
+        if (a < b) {
+            const int64_t bytes = part->type == FLOAT_TYPE ? n * (d->bf16 ? 2 : 4) : q_row_bytes((int)part->type, n);
+            out.part[out.parts].data = (const char *)part->data + (a - row) * bytes;
+            out.part[out.parts].type = part->type;
+            out.part[out.parts].rows = b - a;
+            out.parts++;
+        }
+        row += part->rows;
+    }
+    return out;
 }
 
 /* q · one cached key, and out += p · one cached value: the dtype branch sits outside the
@@ -463,6 +490,91 @@ static void span(const Dims *d, const int64_t *starts, int64_t window, int64_t c
     *base = (g * capacity + lo) * d->head_dim;
 }
 
+/* h = rnd(rnd(act(gate)) · up) over `inter` elements of one row's gate|up product gu. */
+static void gated_act(const Dims *d, const float *gu, int64_t inter, float *h) {
+    int64_t i = 0;
+    if (d->act == ACT_GELU_TANH) { /* torch's gelu(approximate="tanh"), in its order */
+        const float beta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
+        for (; i < inter; i++) {
+            const float g = gu[i], inner = beta * (g + kappa * (g * g * g));
+            h[i] = rnd(d, rnd(d, 0.5f * g * (1.0f + tanhf(inner))) * gu[inter + i]);
+        }
+    }
+#ifdef __AVX512F__
+    for (; i + 16 <= inter; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gu + i), up = _mm512_loadu_ps(gu + inter + i);
+        __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        a = _mm512_mul_ps(rnd16(d, a), up);
+        _mm512_storeu_ps(h + i, rnd16(d, a));
+    }
+#endif
+    for (; i < inter; i++) {
+        const float g = gu[i];
+        h[i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[inter + i]);
+    }
+}
+
+/* Scratch of the moe MLP: router logits, per row its chosen experts and weights, and the
+ * rows one expert serves, gathered. */
+typedef struct {
+    float *logits, *weight, *gx, *gu, *h, *y;
+    int64_t *chosen, *slot;
+} MoeScratch;
+
+/* t = Σ over each row's top_k experts, in increasing expert order, of rnd(rnd(expert(x)) · w),
+ * rounded after every add, as experts.py's eager loop does. An expert runs once over the rows
+ * that chose it, reading only its own rows of the stacked matrices. */
+static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows, float *t, const MoeScratch *m,
+                    uint16_t *xw, void *xq, int threads) {
+    const int64_t H = d->hidden, E = d->experts, K = d->top_k, I = d->moe_inter;
+    linear(d, &L->router, NULL, x, H, E, rows, m->logits, xw, xq, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        float *l = m->logits + r * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) if (l[e] > mx) mx = l[e];
+        for (int64_t e = 0; e < E; e++) { l[e] = expf(l[e] - mx); sum += l[e]; }
+        for (int64_t e = 0; e < E; e++) l[e] /= sum;
+        float picked = 0.0f;
+        for (int64_t k = 0; k < K; k++) { /* the largest left; the lower index on a tie */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= m->chosen[r * K + j] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            m->chosen[r * K + k] = best;
+            m->weight[r * K + k] = l[best];
+            picked += l[best];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            float w = m->weight[r * K + k];
+            if (d->renorm) w = w / picked;
+            m->weight[r * K + k] = d->float_weights ? w : rnd(d, w);
+        }
+    }
+    memset(t, 0, sizeof(float) * rows * H);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t k = 0; k < K; k++)
+                if (m->chosen[r * K + k] == e) {
+                    m->slot[n] = r * K + k;
+                    memcpy(m->gx + n * H, x + r * H, sizeof(float) * H);
+                    n++;
+                }
+        if (!n) continue;
+        const Weight gu = sub_weight(d, &L->experts_gate_up, e * 2 * I, (e + 1) * 2 * I, H);
+        const Weight dn = sub_weight(d, &L->experts_down, e * H, (e + 1) * H, I);
+        linear(d, &gu, NULL, m->gx, H, 2 * I, n, m->gu, xw, xq, threads);
+        for (int64_t j = 0; j < n; j++) gated_act(d, m->gu + j * 2 * I, I, m->h + j * I);
+        linear(d, &dn, NULL, m->h, I, H, n, m->y, xw, xq, threads);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = m->slot[j] / K;
+            const float w = m->weight[m->slot[j]];
+            for (int64_t i = 0; i < H; i++) t[r * H + i] = rnd(d, t[r * H + i] + rnd(d, m->y[j * H + i] * w));
+        }
+    }
+}
+
 /* One step for `rows` rows sharing cache column `column`; row r holds padding before
  * starts[r] (NULL: no padding) and its token tokens[r] sits at position column - starts[r].
  * cos/sin: the rotary tables [positions, head_dim]. Caches: [layers, rows, kv_heads,
@@ -476,7 +588,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->inter > qkv ? 2 * d->inter : qkv;
-    const int64_t wide_in = d->inter > H ? (d->inter > q_size ? d->inter : q_size) : (H > q_size ? H : q_size);
+    int64_t wide_in = d->inter > H ? (d->inter > q_size ? d->inter : q_size) : (H > q_size ? H : q_size);
+    if (d->moe_inter > wide_in) wide_in = d->moe_inter;
     const int64_t el = d->bf16 ? 2 : 4;
     if (D > 1024 || rows < 1) return -1;
     for (int64_t r = 0; r < rows; r++)
@@ -491,10 +604,31 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         const int64_t b[4] = {act_bytes(&layers[l].qkv, H), act_bytes(&layers[l].o, q_size),
                               act_bytes(&layers[l].gate_up, H), act_bytes(&layers[l].down, d->inter)};
         for (int i = 0; i < 4; i++) if (b[i] > most) most = b[i];
+        if (layers[l].moe) {
+            const int64_t c[3] = {act_bytes(&layers[l].router, H), act_bytes(&layers[l].experts_gate_up, H),
+                                  act_bytes(&layers[l].experts_down, d->moe_inter)};
+            for (int i = 0; i < 3; i++) if (c[i] > most) most = c[i];
+        }
     }
     void *xq = malloc(rows * most + 64);
-    if (!x || !xn || !t || !big || !att || !xw || !scores || !xq) {
+    MoeScratch moe = {0};
+    const int64_t E = d->experts > 0 ? d->experts : 1, K = d->top_k > 0 ? d->top_k : 1, MI = d->moe_inter;
+    if (d->experts > 0) {
+        moe.logits = malloc(sizeof(float) * rows * E);
+        moe.weight = malloc(sizeof(float) * rows * K);
+        moe.gx = malloc(sizeof(float) * rows * H);
+        moe.gu = malloc(sizeof(float) * rows * 2 * MI);
+        moe.h = malloc(sizeof(float) * rows * MI);
+        moe.y = malloc(sizeof(float) * rows * H);
+        moe.chosen = malloc(sizeof(int64_t) * rows * K);
+        moe.slot = malloc(sizeof(int64_t) * rows * K);
+    }
+    const int moe_ok = d->experts <= 0 || (moe.logits && moe.weight && moe.gx && moe.gu && moe.h && moe.y && moe.chosen
+                                          && moe.slot);
+    if (!x || !xn || !t || !big || !att || !xw || !scores || !xq || !moe_ok) {
         free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
+        free(moe.logits); free(moe.weight); free(moe.gx); free(moe.gu); free(moe.h); free(moe.y); free(moe.chosen);
+        free(moe.slot);
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -586,33 +720,14 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
             for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, w, H, xn + r * H);
         }
+        if (L->moe) {
+            moe_mlp(d, L, mlp_in, rows, t, &moe, xw, xq, threads);
+        } else {
         linear(d, &L->gate_up, L->gate_up_bias, mlp_in, H, 2 * d->inter, rows, big, xw, xq, threads);
         #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *gu = big + r * 2 * d->inter;
-            float *h = att + r * d->inter;
-            int64_t i = 0;
-            if (d->act == ACT_GELU_TANH) { /* torch's gelu(approximate="tanh"), in its order */
-                const float beta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
-                for (; i < d->inter; i++) {
-                    const float g = gu[i], inner = beta * (g + kappa * (g * g * g));
-                    h[i] = rnd(d, rnd(d, 0.5f * g * (1.0f + tanhf(inner))) * gu[d->inter + i]);
-                }
-            }
-#ifdef __AVX512F__
-            for (; i + 16 <= d->inter; i += 16) {
-                const __m512 g = _mm512_loadu_ps(gu + i), up = _mm512_loadu_ps(gu + d->inter + i);
-                __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                a = _mm512_mul_ps(rnd16(d, a), up);
-                _mm512_storeu_ps(h + i, rnd16(d, a));
-            }
-#endif
-            for (; i < d->inter; i++) {
-                const float g = gu[i];
-                h[i] = rnd(d, rnd(d, g / (1.0f + expf(-g))) * gu[d->inter + i]);
-            }
-        }
+        for (int64_t r = 0; r < rows; r++) gated_act(d, big + r * 2 * d->inter, d->inter, att + r * d->inter);
         linear(d, &L->down, L->down_bias, att, d->inter, H, rows, t, xw, xq, threads);
+        }
         if (d->block != BLOCK_LLAMA) {
             #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
             for (int64_t r = 0; r < rows; r++) rms_norm(d, t + r * H, L->post_ff_norm, H, t + r * H);
@@ -624,5 +739,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     if (d->final_cap > 0.0f)
         for (int64_t i = 0; i < rows * d->vocab; i++) logits[i] = tanhf(logits[i] / d->final_cap) * d->final_cap;
     free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
+    free(moe.logits); free(moe.weight); free(moe.gx); free(moe.gu); free(moe.h); free(moe.y); free(moe.chosen);
+    free(moe.slot);
     return 0;
 }
