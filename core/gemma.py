@@ -155,6 +155,17 @@ class GemmaModel(LlamaModel):
         cap = self.options.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def hf_config_kwargs(self) -> dict:
+        """What transformers' Gemma2Config / Gemma3TextConfig need beyond the shared fields to
+        build this model's twin (benchmark.hf_twin): the windows, the layer types and, for
+        gemma3, the RoPE per layer type (a flat rope_parameters would lose the global one)."""
+        c = self.config
+        out = dict(sliding_window=c.sliding_window, layer_types=list(c.layer_types))
+        if self.options.local_rope is not None:
+            out["rope_parameters"] = {"full_attention": dict(c.rope_parameters),
+                                      "sliding_attention": dict(self.options.local_rope)}
+        return out
+
     def targets(self) -> dict[str, Target]:
         t = super().targets()
         for i in range(self.config.num_hidden_layers):

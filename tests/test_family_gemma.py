@@ -318,3 +318,21 @@ def test_bad_config_through_the_cli(model_dirs, tmp_path, capsys):
     line = one_error_line(run_inprocess(["generate", "hi", "--model", str(folder), "-n", "2"], capsys))
     assert "layer_types" in line and "4 layers" in line
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_transformers_twin_kwargs(model_dirs, family):
+    """hf_config_kwargs (for benchmark.hf_twin) rebuilds transformers' own view of the windows,
+    layer types and per-layer-type RoPE from twice's config."""
+    import transformers
+
+    folder = model_dirs(family)
+    model = load(str(folder), device="cpu", dtype="float32").model
+    raw = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "sliding_window"):
+        raw.pop(key)
+    name = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}[family]
+    rebuilt = getattr(transformers, name)(**{**raw, **model.hf_config_kwargs()})
+    saved = getattr(transformers, name).from_pretrained(folder)
+    assert rebuilt.rope_parameters == saved.rope_parameters
+    assert rebuilt.layer_types == saved.layer_types and rebuilt.sliding_window == saved.sliding_window
