@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Speculative decoding (issue 16) measured side by side in one run (never in CI).
+
+For a target and a draft model (default: the packaged Qwen2.5-Coder-1.5B-Instruct Q4_K_M
+and 0.5B Q4_K_M, assembled in ~/.cache/twice/gguf/):
+
+1. cost of a verify pass of K + 1 tokens relative to one decode step, K = 1..8 (the target,
+   after a 64-token prompt; median of --reps passes each);
+2. greedy decode tok/s of the target alone, with --lookup and with --draft, on three prompts:
+   a code edit (the prompt holds a function, the request asks for it back with a change:
+   lookup's case), code writing (the draft's case) and prose; the tokens must be equal;
+3. the speed-up the standard formula predicts beside the measured one: per-position
+   acceptance a (solved from the mean accepted run: run = a + a² + ... + a^K), draft cost
+   per token c, verify cost v(K) and plain step s measured in the run;
+   predicted = tokens / (plain passes·s + verify passes·(K·c + v(K))) ÷ (1 / s), with
+   tokens = plain passes + verify passes·(1 − a^(K+1)) / (1 − a), K the mean proposals.
+
+    python scripts/bench_speculative.py --threads 2 --tokens 128 --json out.json
+    python scripts/bench_speculative.py --tiny      # a smoke run on tiny random models (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GGUF = Path.home() / ".cache" / "twice" / "gguf"
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen2.5-coder-0.5b-instruct-q4_k_m"
+
+FUNCTION = '''def moving_average(values, window):
+    """Return the moving averages of `values` over `window` items."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+PROMPTS = {
+    "code-edit": "Here is a Python function:\n\n" + FUNCTION + "\nRewrite it so that it returns a list of the "
+                 "same length as `values`, with None where the window is not yet full. Reply with the whole "
+                 "function only.",
+    "code-write": "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or "
+                  "'2h' into a number of seconds, raising ValueError on bad input. Reply with the code only.",
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def resolve(ref: str) -> str:
+    if Path(ref).exists():
+        return ref
+    found = sorted(GGUF.glob(f"{ref}-*.gguf"))
+    return str(found[0]) if found else ref
+
+
+def verify_costs(model, config, reps: int) -> dict:
+    """{K: verify(K+1) time / one decode step}, the step as the engine runs it."""
+    import torch
+
+    from twice.core.cache import KVCache
+    from twice.core.engine import Engine
+
+    engine = Engine(model, None, ())
+    first = next(model.parameters())
+    cache = KVCache(config, 1, 128, first.dtype, first.device, kv_heads=model.kv_heads)
+    ids = torch.arange(64).unsqueeze(0) % config.vocab_size
+    with torch.inference_mode():
+        model(ids, cache)
+        base = cache.length
+
+        def timed(run) -> float:
+            times = []
+            for _ in range(reps):
+                cache.truncate(base)
+                t = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t)
+            return statistics.median(times)
+
+        token = torch.tensor([[5]])
+        step = timed(lambda: engine.fast(token, cache) if engine.fast else model(token, cache))
+        out = {"step_s": step}
+        for k in range(1, 9):
+            out[k] = timed(lambda: model(torch.arange(k + 1).unsqueeze(0) + 7, cache, all_logits=True)) / step
+    return out
+
+
+def solve_acceptance(run: float, k: float) -> float:
+    """a with a + a² + ... + a^k = run (bisection; k may be fractional: a mean)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        s = sum(a ** i for i in range(1, int(k) + 1)) + (k - int(k)) * a ** (int(k) + 1)
+        lo, hi = (a, hi) if s < run else (lo, a)
+    return (lo + hi) / 2
+
+
+def predicted(spec: dict, step: float) -> float | None:
+    from twice.core.speculative import expected_tokens
+
+    vp, plain = spec["verify_passes"], spec["target_passes"] - spec["verify_passes"]
+    if not vp:
+        return 1.0
+    k = spec["proposals"] / vp
+    a = solve_acceptance(spec["mean_accepted_run"], k)
+    c = spec["draft_s"] / spec["proposals"] if spec["proposals"] else 0.0
+    v = spec["verify_s"] / vp
+    tokens = plain + vp * expected_tokens(a, round(k))
+    return tokens / (plain * step + vp * (k * c + v)) * step
+
+
+def run(args) -> dict:
+    import torch
+
+    from twice.core.engine import Done, Engine, GenerationSettings, Request
+    from twice.core.sampling import SamplingParams
+    from twice.weights.load import load
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    draft = load(resolve(args.draft), device="cpu", dtype=args.dtype)
+    target = load(resolve(args.target), device="cpu", dtype=args.dtype)
+    report = {"target": target.name, "draft": draft.name, "threads": torch.get_num_threads(),
+              "tokens": args.tokens, "verify_over_step": verify_costs(target.model, target.config, args.reps)}
+    print(f"verify(K+1) / step: " + ", ".join(f"K={k} {report['verify_over_step'][k]:.2f}" for k in range(1, 9)),
+          flush=True)
+    greedy = SamplingParams()
+    engines = {"plain": Engine(target.model, target.tokenizer, target.eos_token_ids),
+               "lookup": Engine(target.model, target.tokenizer, target.eos_token_ids),
+               "draft": Engine(target.model, target.tokenizer, target.eos_token_ids, draft=draft.model)}
+    rows = []
+    for name, text in PROMPTS.items():
+        messages = [{"role": "user", "content": text}] if target.tokenizer.chat_template else None
+        request = Request(messages=messages) if messages else Request(text=text)
+        results = {}
+        for mode, engine in engines.items():
+            engine.reset()
+            settings = GenerationSettings(max_new_tokens=args.tokens, sampling=greedy, lookup=mode == "lookup",
+                                          ignore_eos=True, draft_tokens=args.draft_tokens,
+                                          truncate="left" if args.tiny else None)
+            results[mode] = [e for e in engine.generate(request, settings) if isinstance(e, Done)][0].result
+        plain = results["plain"]
+        step = statistics.median(plain.step_seconds) if plain.step_seconds else 0.0
+        for mode in ("lookup", "draft"):
+            r = results[mode]
+            spec = r.speculation
+            row = {"prompt": name, "mode": mode, "plain_tok_s": plain.decode_tokens_per_second,
+                   "tok_s": r.decode_tokens_per_second,
+                   "speedup": r.decode_tokens_per_second / plain.decode_tokens_per_second,
+                   "predicted_speedup": predicted(spec, step), "same_tokens": r.token_ids == plain.token_ids,
+                   "speculation": spec}
+            rows.append(row)
+            print(f"{name:10s} {mode:6s} plain {row['plain_tok_s']:6.1f} tok/s  {mode} {row['tok_s']:6.1f} tok/s  "
+                  f"x{row['speedup']:.2f} (predicted x{row['predicted_speedup']:.2f})  accepted "
+                  f"{100 * spec['acceptance_rate']:.0f}%  {spec['tokens_per_target_pass']:.2f} tok/pass  "
+                  f"K used {spec['k_used']}  same tokens {row['same_tokens']}", flush=True)
+    report["rows"] = rows
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=TARGET)
+    p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-tokens", type=int, default=None, help="fix K (default adaptive)")
+    p.add_argument("--tiny", action="store_true", help="tiny random models (a smoke run)")
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args()
+    if args.tiny:
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        import tiny
+
+        root = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+        tok = tiny.train_tokenizer()
+        args.target = str(tiny.make_model(root / "target", "llama", tok))
+        args.draft = str(tiny.make_model(root / "draft", "llama", tok, seed=1))
+        args.tokens, args.reps = min(args.tokens, 24), min(args.reps, 2)
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
