@@ -46,10 +46,11 @@ from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3")
 # GGUF architecture → the Hugging Face class its config names.
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM"}
+                     "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM",
+                     "phi3": "Phi3ForCausalLM"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -91,7 +92,7 @@ def convert_gguf(
     with _reading(src):
         metadata = reader.metadata  # plain Python values (strings, numbers, lists)
         rope_freqs = _find_tensor(reader, "rope_freqs.weight")
-        config = _model_config(metadata, src, rope_freqs)
+        config = _model_config(metadata, src, rope_freqs, lambda name: _find_tensor(reader, name))
         jobs = _plan_tensors(reader, config, src, dequantized=weights)
         tokenizer, tokenizer_config = build_tokenizer(metadata, config, src)
     config["torch_dtype"] = config["dtype"] = dtype
@@ -144,8 +145,9 @@ def _find_tensor(reader, name: str):
 # -- config --------------------------------------------------------------------------------
 
 
-def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
-    """config.json for the Hugging Face model of the file's architecture, from its `ARCH.*` metadata."""
+def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], Any] = lambda name: None) -> dict:
+    """config.json for the Hugging Face model of the file's architecture, from its `ARCH.*`
+    metadata (and the tensors llama.cpp keeps settings in, by `find(name)`: phi3's RoPE factors)."""
     arch = require(metadata, "general.architecture", src)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -166,8 +168,13 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
     head_dim = positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
     if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which {arch} cannot express")
-    # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them.
-    if metadata.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+    # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them
+    # (phi3: partial_rotary_factor of them).
+    rotary = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if arch == "phi3" and isinstance(rotary, int) and not isinstance(rotary, bool) and 0 < rotary <= head_dim \
+            and rotary % 2 == 0:
+        pass
+    elif rotary != head_dim:
         raise UnsupportedModelError(
             f"{src}: partial rotary embeddings (rope.dimension_count "
             f"{metadata[f'{arch}.rope.dimension_count']} of head_dim {head_dim}) are not supported"
@@ -196,14 +203,47 @@ def _model_config(metadata: dict, src: Path, rope_freqs) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
     }
+    if arch == "phi3":
+        _phi3_config(config, metadata, rotary, find, src)
     if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
         del config["mlp_bias"]
         if metadata.get("olmo2.attention.sliding_window"):
             raise UnsupportedModelError(f"{src}: olmo2 with sliding-window layers (OLMo 3) is not supported")
     scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
+    if scaling and "rope_scaling" in config:
+        raise UnsupportedModelError(f"{src}: phi3 with both longrope factors and RoPE scaling keys is not supported")
     if scaling:
         config["rope_scaling"] = scaling
     return _with_special_ids(config, metadata, vocab_size, src)
+
+
+def _phi3_config(config: dict, metadata: dict, rotary: int, find, src: Path) -> None:
+    """Phi-3 as llama.cpp's converter writes it (Phi3MiniModel): partial rotary as
+    rope.dimension_count, longrope's factors as the rope_factors_long/short tensors with the
+    original context in rope.scaling.original_context_length, the window as
+    attention.sliding_window (0: none), no biases."""
+    del config["attention_bias"], config["mlp_bias"]
+    config["partial_rotary_factor"] = rotary / config["head_dim"]
+    window = metadata.get("phi3.attention.sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise WeightsError(f"{src}: metadata phi3.attention.sliding_window must be a whole number, got {window!r}")
+    config["sliding_window"] = window or None
+    long, short = find("rope_factors_long.weight"), find("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise WeightsError(f"{src}: phi3 needs both rope_factors_long.weight and rope_factors_short.weight, or neither")
+    if long is None:
+        return
+    import gguf
+
+    factors = {}
+    for key, t in (("long_factor", long), ("short_factor", short)):
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
+        if values.size != rotary // 2 or not np.isfinite(values).all() or (values <= 0).any():
+            raise WeightsError(f"{src}: {t.name} must hold {rotary // 2} positive factors, got {values.size} values")
+        factors[key] = [float(v) for v in values.astype(np.float32)]
+    original = positive_int(metadata, "phi3.rope.scaling.original_context_length", src)
+    config["original_max_position_embeddings"] = original
+    config["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
 
 
 def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) -> dict:
@@ -345,7 +385,7 @@ def _generation_config(metadata: dict, config: dict) -> dict:
 # -- tensors -------------------------------------------------------------------------------
 
 # Tensors llama.cpp adds that are not weights of the HF model (read into the config instead).
-_CONSUMED_TENSORS = ("rope_freqs.weight",)
+_CONSUMED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 @dataclass(frozen=True)
@@ -386,6 +426,10 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if config["model_type"] == "qwen3":
         d = config["head_dim"]
         per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if config["model_type"] == "phi3":  # q/k/v and gate/up fused in the checkpoint as in the file
+        for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            del per_layer[f"{leaf}.weight"]
+        per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)})
     if config["model_type"] == "olmo2":  # norms after attention and MLP; q/k norms over the whole projections
         del per_layer["input_layernorm.weight"]
         per_layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),

@@ -63,7 +63,8 @@ class StoredTensors:
         self.src = src
         reader = _open_reader(src)
         with _reading(src):
-            config = _model_config(reader.metadata, src, _find_tensor(reader, "rope_freqs.weight"))
+            config = _model_config(reader.metadata, src, _find_tensor(reader, "rope_freqs.weight"),
+                                   lambda name: _find_tensor(reader, name))
             self.jobs: dict[str, _TensorJob] = {j.name: j for j in _plan_tensors(reader, config, src,
                                                                                   dequantized=False)}
         # Only the tensor table is kept: the metadata (a vocabulary of 150k strings and as many

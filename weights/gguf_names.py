@@ -50,8 +50,15 @@ _MIXTRAL = (_LLAMA[0], {**_LLAMA[1], "ffn_gate_inp": "block_sparse_moe.gate",
                         "ffn_gate_exps": "block_sparse_moe.experts.*.w1", "ffn_up_exps": "block_sparse_moe.experts.*.w3",
                         "ffn_down_exps": "block_sparse_moe.experts.*.w2"}, "model.layers")
 _QWEN_MOE = (_LLAMA[0], {**_LLAMA[1], **_EXPERTS}, "model.layers")
+# Phi-3: q/k/v fused (attn_qkv) and gate|up fused (ffn_up, [2 · intermediate, hidden]) in both.
+_PHI3 = (
+    _LLAMA[0],
+    {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
+     "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+    "model.layers",
+)
 TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2, "mixtral": _MIXTRAL,
-          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE}
+          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE, "phi3": _PHI3}
 _EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 # GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF
 # (convert_hf_to_gguf transposes them), which is the layout twice's linear layers hold.
