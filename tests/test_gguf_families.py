@@ -4,17 +4,11 @@ load as stored and through the float copy with their tokenizers, and give transf
 logits and greedy tokens on the weights the file holds (each matrix round-tripped through its
 type in the file by the `gguf` package).
 
-The converter comes in llama-cpp-python's sdist (not in its wheel): found at
-$TWICE_LLAMA_CPP_CONVERT, or unpacked under /work/peer-venv/src (scripts/peer_llamacpp.py says
-how); else the slow tests skip. It knows byte-level BPE tokenizers by a hash of their output and
-refuses the tiny tokenizer it has never seen: it runs through a wrapper that names the tiny
-tokenizer's pre-tokenizer, GPT-2's byte-level regex ("gpt-2")."""
+The converter comes in llama-cpp-python's sdist (not in its wheel): tests/llamacpp.py finds it
+(the README's test command downloads the sdist) and runs it; else the slow tests skip."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -23,6 +17,7 @@ import pytest
 import torch
 
 import tiny
+from llamacpp import convert
 from clirun import run_inprocess
 from twice.core.cache import KVCache
 from twice.core.engine import Engine, GenerationSettings, Request
@@ -39,38 +34,6 @@ GGUF_FAMILIES = {"olmo2": "olmo2"}
 # only once its family is registered.
 CONVERTED = {**GGUF_FAMILIES, **{f: a for f, a in {"phi3": "phi3", "phi3-long": "phi3"}.items()
                                  if f.split("-")[0] in __import__("twice.core.models", fromlist=["FAMILIES"]).FAMILIES}}
-
-_WRAPPER = """
-import runpy, sys
-from pathlib import Path
-conv = Path(sys.argv[1]); sys.argv = [str(conv)] + sys.argv[2:]
-sys.path[:0] = [str(conv.parent), str(conv.parent / "gguf-py")]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-runpy.run_path(str(conv), run_name="__main__")
-"""
-
-
-def converter() -> Path | None:
-    given = os.environ.get("TWICE_LLAMA_CPP_CONVERT")
-    if given:
-        return Path(given) if Path(given).is_file() else None
-    for root in (Path("/work/peer-venv/src"),):
-        found = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
-        if found:
-            return found[-1]
-    return None
-
-
-def convert(folder: Path, out: Path, outtype: str) -> Path:
-    script = converter()
-    if script is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here (set TWICE_LLAMA_CPP_CONVERT)")
-    p = subprocess.run([sys.executable, "-c", _WRAPPER, str(script), str(folder), "--outtype", outtype,
-                        "--outfile", str(out)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return out
-
 
 @pytest.fixture(autouse=True)
 def _float_products(monkeypatch):
