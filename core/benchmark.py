@@ -127,6 +127,9 @@ def hf_twin(model: CausalLM):
                   hidden_act=c.hidden_act)
     if c.rope_parameters is not None:
         kwargs["rope_parameters"] = dict(c.rope_parameters)
+    if c.sliding_window is not None:
+        kwargs.update(sliding_window=c.sliding_window, layer_types=list(c.layer_types) or None)
+    kwargs.update(getattr(model, "hf_config_kwargs", dict)())  # what only the family knows how to say
     name = family(c.model_type).hf_config.get(c.model_type)
     if name is None or c.model_type == "gpt2":
         raise ValueError(f"no transformers twin for {c.model_type}")
@@ -147,6 +150,8 @@ def hf_twin(model: CausalLM):
             src = params[target.param]
             if target.rows is not None:
                 src = src[target.row : target.row + target.rows]
+            if target.stored_shape is not None:  # stacked experts, grouped by expert there
+                src = src.reshape(target.stored_shape)
             dest.copy_(src.t() if target.transpose else src)
     return hf
 

@@ -59,3 +59,20 @@ def test_a_feature_no_step_implements_runs_eager(model_dirs, monkeypatch):
     assert engine.decode_path == "eager"
     with torch.inference_mode():
         assert engine.fast is None
+
+
+@pytest.mark.slow  # a transformers model per family
+@pytest.mark.parametrize("name", [f for f in __import__("tiny").FAMILIES if f != "gpt2"])
+def test_benchmark_twin_is_the_same_model(model_dirs, name):
+    """core/benchmark.hf_twin (the benchmarks' transformers side) builds the same model as ours,
+    windows, layer types and the family's own fields included."""
+    from twice.core.benchmark import hf_twin
+    from twice.core.cache import KVCache
+
+    ours = load(str(model_dirs(name)), device="cpu", dtype="float32")
+    twin = hf_twin(ours.model)
+    ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = ours.model(ids, KVCache(ours.config, 1, 32, torch.float32, "cpu"), all_logits=True)
+        want = twin(ids).logits
+    assert (got - want).abs().max() < 1e-4
