@@ -79,7 +79,7 @@ def test_json_has_model_settings_text_counts_timings_and_cache(capsys, llama):
     assert d["settings"] == {"max_new_tokens": 7, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
                              "repetition_penalty": 1.1, "seed": 3, "stop": ["never-in-output", "nor this"],
                              "chat": True, "system": "Be brief.", "prefill_chunk": 4, "truncate": None, "compile": False, "device": "cpu",
-                             "dtype": "float32"}
+                             "dtype": "float32", "lookup": False, "draft_tokens": None, "draft": None}
     assert isinstance(d["text"], str)
     assert all(isinstance(i, int) for i in d["token_ids"])
     assert d["generated_tokens"] == len(d["token_ids"]) and 1 <= d["generated_tokens"] <= 7
@@ -112,7 +112,8 @@ def test_defaults_in_json_llama_cpp_sampling_and_chat_when_the_model_has_a_templ
     d = gen_json(capsys, CHAT_PROMPT, "-m", llama, "-n", "3")
     assert d["settings"] == {"max_new_tokens": 3, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
                              "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True, "system": None,
-                             "prefill_chunk": None, "truncate": None, "compile": False, "device": "cpu", "dtype": "float32"}
+                             "prefill_chunk": None, "truncate": None, "compile": False, "device": "cpu", "dtype": "float32",
+                             "lookup": False, "draft_tokens": None, "draft": None}
     assert d["finish_reason"] == "length" and d["generated_tokens"] == 3
 
 
