@@ -46,9 +46,10 @@ Commands:
   /set           show the sampling settings; /set NAME VALUE changes one (checked as the
                  command-line flags are): temperature, top_k, top_p, min_p,
                  repetition_penalty, seed (none: a new draw each time), max_new_tokens
-  /save FILE     write the conversation as JSON to a new file
+  /save FILE     write the conversation as JSON to a new file (and its KV cache to FILE.kv)
   /save! FILE    the same, replacing an earlier chat file of that name
-  /load FILE     replace the conversation with one written by /save (checked whole first)
+  /load FILE     replace the conversation with one written by /save (checked whole first);
+                 FILE.kv, if it is there and fits this model, spares the next turn's prefill
   /exit          leave"""
 
 TimingEach = Annotated[bool, typer.Option(
@@ -84,6 +85,8 @@ def chat(
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
     lookup: o.Lookup = False,
+    context_shift: o.ContextShift = False,
+    keep: o.Keep = None,
     no_color: o.NoColor = False,
 ):
     """Chat with a model; the KV cache is kept between turns so each turn prefills only what it adds."""
@@ -98,6 +101,7 @@ def chat(
     check_text_arguments(system=system, stop=stop)
     weights = o.weights_choice(dequantize, quantize)
     o.check_speculation(draft, draft_tokens, lookup)
+    _check_shift_options(context_shift, keep)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
         drafted = o.load_draft(draft, None, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
@@ -114,11 +118,18 @@ def chat(
                                  repetition_penalty, seed)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
                                   prefill_chunk=prefill_chunk, lookup=lookup, draft_tokens=draft_tokens)
+    if context_shift:
+        from twice.core.errors import UsageError
+        from twice.core.prompt_cache import shift_refusal
+
+        if (why := shift_refusal(loaded.model)) is not None:
+            raise UsageError(why)
     larger = o.check_draft(loaded, drafted)
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile,
                     draft=drafted.model if drafted is not None else None)
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
+    session.context_shift, session.keep = context_shift, keep or 0
     reader = make_reader(history)
     session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · {o.dtype_words(loaded)} · "
                 "/help for commands", "dim")
@@ -141,6 +152,7 @@ class ChatSession:
         self.last_reused: int | None = None
         self.err = err_console()
         self.interactive = False  # input has a history the user can recall (prompt-toolkit)
+        self.context_shift, self.keep = False, 0  # --context-shift, --keep N
 
     # -- output --------------------------------------------------------------------------
     def say(self, text: str, style: str = "") -> None:
@@ -243,6 +255,8 @@ class ChatSession:
         from twice.core.errors import PromptError, TokenizerError, TwiceError
 
         not_kept = "nothing regenerated" if retry else "message not sent"
+        if self.context_shift:
+            conversation = self._make_room(conversation)
         events = self.engine.generate(Request(messages=self._request_messages(conversation)), self.settings)
         readout = Readout()
         pieces: list[str] = []
@@ -383,6 +397,80 @@ class ChatSession:
         # Only role and content reach the template; markers such as "cut" stay ours.
         return _with_system(self.system, [{"role": m["role"], "content": m["content"]} for m in messages])
 
+    # -- context shift (--context-shift) ------------------------------------------------------
+    def _make_room(self, conversation: list[dict]) -> list[dict]:
+        """The conversation to send: as it is if it fits with room for a reply (max new
+        tokens, at most half the context); else without its fewest oldest turns that make
+        it fit (the system message and the turns --keep protects stay), the KV cache shifted
+        to match. If dropping every turn it may drop is not enough, it is sent as it is (and
+        refused, or its reply shortened, as without --context-shift)."""
+        context = self.engine.context_length
+        budget = context - min(self.settings.max_new_tokens, context // 2)
+        size = self._size(conversation)
+        if size is None or size <= budget:
+            return conversation
+        turns, user = _turns(conversation[:-1]), conversation[-1]
+        first = self._protected(turns)
+
+        def without(n: int) -> list[dict]:
+            return [m for t in turns[:first] + turns[first + n:] for m in t] + [user]
+
+        def fits(n: int) -> bool:
+            size = self._size(without(n))
+            return size is not None and size <= budget
+
+        if len(turns) == first or not fits(len(turns) - first):
+            return conversation
+        lo, hi = 1, len(turns) - first
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        shifted = without(lo)
+        dropped, moved = self._shift_cache(shifted)
+        self.say(f"context shift: dropped the {lo} oldest turn{'' if lo == 1 else 's'} ({dropped} tokens of the KV "
+                 f"cache; {moved} later tokens' keys re-rotated, not prefilled again)", "dim")
+        return shifted
+
+    def _protected(self, turns: list[list[dict]]) -> int:
+        """How many leading turns --keep N protects: those that begin within the first N tokens."""
+        k = 0
+        while self.keep and k < len(turns):
+            begin = self._size([m for t in turns[:k] for m in t]) if k else 0
+            if begin is None or begin >= self.keep:
+                break
+            k += 1
+        return k
+
+    def _shift_cache(self, conversation: list[dict]) -> tuple[int, int]:
+        """Make the KV cache hold `conversation`'s tokens by dropping the span of cached
+        tokens it no longer has and moving what follows (core/prompt_cache.shift): (tokens
+        dropped, tokens moved). Nothing cached or nothing that lines up: (0, 0), and the next
+        turn reuses the common prefix as usual."""
+        from twice.core import prompt_cache as pc
+
+        engine = self.engine
+        if engine.cache is None or not engine.cached_ids:
+            return 0, 0
+        new = self.loaded.tokenizer.encode_chat(self._request_messages(conversation))
+        old = engine.cached_ids[:engine.cache.length]
+        keep, drop, matched = pc.plan_shift(old, new)
+        if drop == 0 or matched == 0:
+            return 0, 0
+        engine.cached_ids = old[:keep]  # true of the cache at every moment of the shift
+        if engine.draft is not None:
+            engine.draft.reset()  # the draft's own cache prefills again
+        try:
+            pc.shift(engine.model, engine.cache, keep, drop, end=keep + drop + matched)
+        except pc.PromptCacheError as e:  # a cache it cannot rotate: the next turn prefills after the kept prefix
+            engine.cache.truncate(keep)
+            self.say(f"note: {e}; the turn prefills what follows the first {keep} tokens", "yellow")
+            return 0, 0
+        engine.cached_ids = old[:keep] + old[keep + drop:keep + drop + matched]
+        return drop, matched
+
     # -- slash commands ----------------------------------------------------------------------
     def command(self, text: str) -> str | None:
         parts = text.split(None, 1)
@@ -458,7 +546,22 @@ class ChatSession:
         except (OSError, ValueError) as e:
             self.error(f"cannot save to {path}: {os_message(e)}")
             return
-        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}", "dim")
+        kv = self._save_cache(path)
+        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}{kv}", "dim")
+
+    def _save_cache(self, path: Path) -> str:
+        """/save's KV sidecar (FILE.kv, a prompt-cache file): what to add to the saved line."""
+        from . import prompt_cache as pc
+
+        engine, side = self.engine, pc.sidecar(path)
+        if engine.cache is None or not engine.cached_ids:
+            return ""
+        use = pc.PromptCacheUse(file=str(side))
+        pc.save(engine, use, len(engine.cached_ids))
+        if use.not_saved is not None:
+            self.say(f"note: the KV cache was not saved to {side}: {use.not_saved}", "yellow")
+            return ""
+        return f" and its KV cache ({use.saved_tokens} tokens) to {side}"
 
     def _file_text(self) -> str:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
@@ -480,7 +583,18 @@ class ChatSession:
         note = ""
         if model and model != self.loaded.name:
             note = f" (saved with {model}; continuing with {self.loaded.name})"
-        self.say(f"loaded {len(messages)} messages from {path}{note}", "dim")
+        self.say(f"loaded {len(messages)} messages from {path}{note}{self._load_cache(path)}", "dim")
+
+    def _load_cache(self, path: Path) -> str:
+        """/load's KV sidecar, if there is one: what to add to the loaded line."""
+        from . import prompt_cache as pc
+
+        side = pc.sidecar(path)
+        use = pc.load(self.engine, str(side))
+        if use.refused is not None:
+            self.say(f"note: the KV cache {side} not used ({use.refused}); the next turn prefills the conversation",
+                     "yellow")
+        return f" and its KV cache ({use.loaded_tokens} tokens)" if use.loaded_tokens else ""
 
 
     def _check_template(self, system: str | None, messages: list[dict]) -> None:
@@ -556,6 +670,15 @@ class ChatSession:
 
 
 # -- settings and failures ----------------------------------------------------------------
+def _check_shift_options(context_shift: bool, keep: int | None) -> None:
+    from twice.core.errors import UsageError
+
+    if keep is not None and not context_shift:
+        raise UsageError("--keep needs --context-shift")
+    if keep is not None and keep < 0:
+        raise UsageError(f"--keep must be at least 0, got {keep}")
+
+
 SETTABLE = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
             "seed": int, "max_new_tokens": int}
 

@@ -50,6 +50,8 @@ def generate(
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
     lookup: o.Lookup = False,
+    prompt_cache: o.PromptCache = None,
+    prompt_cache_ro: o.PromptCacheRO = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
                                  "timings, cache bytes, model, settings) instead of the text."),
     no_color: o.NoColor = False,
@@ -59,6 +61,9 @@ def generate(
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate, threads)
     o.check_speculation(draft, draft_tokens, lookup, tp)
+    from .prompt_cache import check_options as check_prompt_cache
+
+    check_prompt_cache(prompt_cache, prompt_cache_ro, tp)
     if no_color:
         from .console import COLOR
 
@@ -78,7 +83,8 @@ def generate(
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
                   truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats,
-                  weights=weights, speculation=(draft, draft_tokens, lookup))
+                  weights=weights, speculation=(draft, draft_tokens, lookup),
+                  prompt_cache=(prompt_cache, prompt_cache_ro))
     finally:
         finish(launch)
 
@@ -86,7 +92,7 @@ def generate(
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
               no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None,
-              speculation=(None, None, False)) -> None:
+              speculation=(None, None, False), prompt_cache=(None, False)) -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.device import DTYPE_NAMES
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
@@ -129,6 +135,14 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         if (compiled := o.compile_note(engine, compile)) is not None:
             note(compiled)
         result = None
+        cache_file, cache_ro = prompt_cache
+        cached = None
+        if cache_file is not None:
+            from . import prompt_cache as pc
+
+            cached = pc.load(engine, cache_file)
+            for line in pc.notices(cached):
+                note(line)
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):
                 note(event.message)
@@ -136,12 +150,20 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
                 result = event.result
             else:
                 readout.on_event(event)
+        if cached is not None and not cache_ro and result is not None and engine.cache is not None:
+            # After the reply, so that writing the file never delays the first token.
+            n = result.prompt_tokens
+            pc.save(engine, cached, n, engine.cached_ids[:n])
+            if cached.not_saved is not None:
+                note(pc.notices(cached)[-1])
     if quiet:
         return
     out = sys.stdout
     if as_json:
         payload = json_payload(result, loaded, settings, use_chat, system if use_chat else None, compile)
         payload["settings"]["draft"] = drafted.name if drafted is not None else None
+        if cached is not None:
+            payload["prompt_cache"] = {**cached.to_dict(), "read_only": cache_ro}
         out.write(json.dumps(payload) + "\n")
     else:
         out.write("\n")

@@ -61,6 +61,21 @@ Lookup = Annotated[bool, typer.Option(
     "--lookup", help="Speculative decoding by prompt lookup: proposals from the latest earlier occurrence of the "
                      "last 3, 2 or 1 tokens in the prompt and the text so far (no second model; same output).")]
 
+PromptCache = Annotated[Optional[str], typer.Option(
+    "--prompt-cache", help="Keep the prompt's KV cache in FILE (safetensors): a later run whose prompt begins with "
+                           "the same tokens loads it and prefills only the rest. Written after the reply; a file "
+                           "made with another model, dtype or kv-dtype, or corrupt, is refused with a notice.")]
+PromptCacheRO = Annotated[bool, typer.Option(
+    "--prompt-cache-ro", help="Use --prompt-cache FILE but never write it.")]
+
+ContextShift = Annotated[bool, typer.Option(
+    "--context-shift", help="When the conversation no longer fits the context, drop its oldest turns from the KV "
+                            "cache (the system message stays) and re-rotate the kept keys to their new positions "
+                            "instead of refusing the message. RoPE models only.")]
+Keep = Annotated[Optional[int], typer.Option(
+    "--keep", help="With --context-shift: never drop the turns that begin within the first N tokens. Default 0 "
+                   "(only the system message is kept).")]
+
 
 def check_speculation(draft: str | None, draft_tokens: int | None, lookup: bool, tp: int = 1) -> None:
     """--draft / --lookup / --draft-tokens: one line before anything loads."""

@@ -1,0 +1,108 @@
+"""Prompt-cache files on the command line: `twice generate --prompt-cache FILE
+[--prompt-cache-ro]` and the KV sidecar of `twice chat`'s /save and /load.
+
+A file that cannot be used (another model's, stale, corrupt, not a prompt cache) is
+refused in one notice and the run goes on with a normal prefill; a file that cannot be
+written (a read-only folder, a full disk, a link) is one notice too and the run's result
+stands. A file that is not a twice prompt cache is never replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class PromptCacheUse:
+    """What happened to a prompt-cache file in one run (for notices and --json)."""
+
+    file: str
+    loaded_tokens: int = 0
+    loaded_ids: list[int] | None = None
+    refused: str | None = None  # why the file was not used
+    saved_tokens: int = 0
+    not_saved: str | None = None  # why it was not written
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "loaded_tokens": self.loaded_tokens, "refused": self.refused,
+                "saved_tokens": self.saved_tokens, "not_saved": self.not_saved}
+
+
+def check_options(path: str | None, read_only: bool, tp: int = 1) -> None:
+    """--prompt-cache / --prompt-cache-ro: one line before anything loads."""
+    from twice.core.errors import UsageError
+
+    if read_only and path is None:
+        raise UsageError("--prompt-cache-ro needs --prompt-cache FILE")
+    if path is None:
+        return
+    if not path.strip():
+        raise UsageError("--prompt-cache needs a file name")
+    if tp > 1:
+        raise UsageError("--prompt-cache does not work with --tp (a cache file holds one process's keys and values)")
+    if Path(path).expanduser().is_dir():
+        raise UsageError(f"--prompt-cache {path}: is a folder, not a file")
+
+
+def _reason(e: Exception, path: Path) -> str:
+    text = str(e)
+    prefix = f"{path}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
+def load(engine, path: str) -> PromptCacheUse:
+    """Load `path` into the engine's session cache if it is there and belongs to this
+    model; `refused` says why not (the engine is then untouched)."""
+    from twice.core.errors import TwiceError
+    from twice.weights import prompt_cache_file as pcf
+
+    use = PromptCacheUse(file=path)
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_symlink():
+        return use
+    try:
+        use.loaded_tokens = pcf.load_into(engine, p)
+        use.loaded_ids = list(engine.cached_ids)
+    except TwiceError as e:
+        use.refused = _reason(e, p)
+    return use
+
+
+def save(engine, use: PromptCacheUse, tokens: int, ids: list[int] | None = None) -> None:
+    """Write the engine's first `tokens` cached tokens to use.file, unless it already holds
+    exactly `ids`; a failure is recorded in use.not_saved (one line)."""
+    from twice.core.errors import TwiceError
+    from twice.weights import prompt_cache_file as pcf
+
+    p = Path(use.file).expanduser()
+    if ids is not None and use.loaded_ids == ids:
+        return  # the file already holds this prompt
+    if (p.exists() or p.is_symlink()) and not p.is_symlink() and p.is_file() and not pcf.looks_like_one(p):
+        use.not_saved = "the file exists and is not a twice prompt cache (not replaced; choose another name)"
+        return
+    try:
+        use.saved_tokens = pcf.save_from(engine, p, tokens)
+    except TwiceError as e:
+        use.not_saved = _reason(e, p)
+    except OSError as e:
+        from .format import os_message
+
+        use.not_saved = os_message(e)
+
+
+def notices(use: PromptCacheUse) -> list[str]:
+    """The lines a run says about its prompt cache."""
+    out = []
+    if use.refused is not None:
+        out.append(f"prompt cache {use.file} not used ({use.refused}); prefilling the whole prompt")
+    elif use.loaded_tokens:
+        out.append(f"prompt cache {use.file}: {use.loaded_tokens} tokens loaded")
+    if use.not_saved is not None:
+        out.append(f"prompt cache not saved to {use.file}: {use.not_saved}")
+    return out
+
+
+def sidecar(path: Path) -> Path:
+    """Where /save FILE puts the conversation's KV cache: FILE.kv beside it."""
+    return path.with_name(path.name + ".kv")
