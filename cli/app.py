@@ -63,7 +63,7 @@ def _global(debug: bool = typer.Option(False, "--debug", help="Show tracebacks i
 
 
 def _register() -> None:
-    from . import batch, bench, chat, convert, generate, info, perplexity, quantize  # noqa: F401  (each module adds its command to `app`)
+    from . import batch, bench, chat, convert, generate, info, perplexity, quantize, serve  # noqa: F401  (each module adds its command to `app`)
 
 
 def _guarded(fn):

@@ -84,6 +84,8 @@ class Counters:
     steps: int = 0  # decode steps
     relayouts: int = 0  # times the batch cache was laid out again
     most_running: int = 0  # the largest batch decoded together
+    prefill_seconds: float = 0.0  # spent in prefill passes
+    decode_seconds: float = 0.0  # spent in decode steps (sampling included)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -288,6 +290,7 @@ class Scheduler:
         seq.logits = engine._prefill(tokens, seq.own, None)
         synchronize(engine.device)
         seq.prefill_seconds += time.perf_counter() - t0
+        self.counters.prefill_seconds += time.perf_counter() - t0
         seq.done_tokens += n
         self.counters.prefill_tokens += n
 
@@ -414,6 +417,7 @@ class Scheduler:
         rows = [i for i, _ in live]
         chosen = self._sample_rows([s for _, s in live], logits[rows] if len(rows) != logits.shape[0] else logits)
         seconds = time.perf_counter() - t
+        self.counters.decode_seconds += seconds
         self.counters.steps += 1
         self.counters.decode_tokens += len(live)
         for (_, seq), token in zip(live, chosen):

@@ -1,0 +1,303 @@
+"""`twice serve`: the real server on a free local port (a tiny model), driven by the official
+openai client and httpx. The server prints "listening on URL" when it accepts connections;
+tests wait for that line (or for a condition the server reports), never for a time."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from clirun import one_error_line, run_inprocess
+
+openai = pytest.importorskip("openai")
+
+TWICE = [sys.executable, "-c", "from twice.cli.app import main; main()"]
+
+
+class Server:
+    """`twice serve ARGS --port 0` in a process of its own; stderr collected by a thread."""
+
+    def __init__(self, args, env):
+        self.proc = subprocess.Popen([*TWICE, "serve", *args, "--port", "0"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.url = None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if line.startswith("listening on "):
+                self.url = line.split()[2]
+                break
+        if self.url is None:
+            self.proc.wait()
+            raise AssertionError("the server did not start:\n" + "".join(self.lines))
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def metrics(self, **headers) -> dict:
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        self.reader.join(10)
+
+
+def _env(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    return {**os.environ, "TWICE_CACHE": str(base / "twice-cache"), "TWICE_KERNELS_CACHE": str(base / "twice-kernels"),
+            "TWICE_CPU_AUTO_DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs):
+    return str(model_dirs("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = Server(["-m", model, "--dtype", "float32", "--max-batch", "8", "--max-new-tokens", "16", "--threads", "1"],
+               _env(tmp_path_factory))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from twice.core.engine import Engine
+    from twice.weights.load import load
+
+    m = load(model, device="cpu", dtype="float32")
+    return Engine(m.model, m.tokenizer, m.eos_token_ids)
+
+
+def _generate(args, capsys, model) -> str:
+    r = run_inprocess(["generate", *args, "-m", model, "--dtype", "float32", "--temperature", "0"], capsys)
+    assert r.code == 0, r.err
+    return r.out[:-1]  # generate ends the text with a newline
+
+
+def test_completions_greedy_text_equals_twice_generate(server, model, capsys):
+    want = _generate(["Hello there, how", "--raw", "-n", "12"], capsys, model)
+    client = server.client()
+    r = client.completions.create(model=model, prompt="Hello there, how", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason in ("length", "stop") and r.id.startswith("cmpl-")
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    streamed = client.completions.create(model=model, prompt="Hello there, how", max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_chat_streaming_and_not_equal_twice_generate(server, model, capsys):
+    want = _generate(["Tell me a story", "-n", "10"], capsys, model)
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    stream = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0,
+                                            stream=True, logprobs=True, top_logprobs=2)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    lps = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert lps and all(e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+                       for e in lps)
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_32_concurrent_streams_get_their_own_texts_and_join_the_running_batch(server, engine, model):
+    """32 streaming requests of different lengths (3 to 15 tokens, eos ignored) against 8 rows:
+    each text is its prompt's alone, and requests that arrived while others decoded joined
+    the running batch (the scheduler's own counter)."""
+    from twice.core.engine import Done, GenerationSettings, Request
+
+    words = ["apple", "river", "stone", "cloud", "maple", "ember", "frost", "grove"]
+    prompts = [f"{words[i % 8]} {words[(i * 3 + 1) % 8]} {i}" for i in range(32)]
+    lengths = [3 + (i * 5) % 13 for i in range(32)]
+    want = [[e for e in engine.generate(Request(text=p), GenerationSettings(max_new_tokens=n, ignore_eos=True),
+                                        reuse_cache=False) if isinstance(e, Done)][0].result.text
+            for p, n in zip(prompts, lengths)]
+    before = server.metrics().get("twice_joined_running_total", 0)
+
+    async def one(client, prompt, n):
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text, finish = [], None
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    finish = choice["finish_reason"] or finish
+        return "".join(text), finish
+
+    async def all_of_them():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    got = asyncio.run(all_of_them())
+    assert [t for t, _ in got] == want
+    assert all(f == "length" for _, f in got)
+    after = server.metrics()
+    assert after["twice_joined_running_total"] - before >= 24  # 8 rows: the other 24 joined mid-flight
+    assert after["twice_running_requests"] == 0
+
+
+def test_a_disconnected_stream_frees_its_row(server, model):
+    m0 = server.metrics()
+    body = {"model": model, "prompt": "a long story", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leaving the block closes the connection mid-stream
+    for _ in range(10_000):  # until the server reports it (each scrape is a round trip, no sleeping)
+        m = server.metrics()
+        if m["twice_cancelled_total"] > m0.get("twice_cancelled_total", 0) and m["twice_running_requests"] == 0:
+            break
+    else:
+        pytest.fail(f"the row was not freed: {m}")
+    assert m["twice_generation_tokens_total"] - m0["twice_generation_tokens_total"] < 4000
+
+
+def _post(server, path, body=None, raw=None, **headers):
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json", **headers},
+                      timeout=60)
+
+
+def _error(r, status, code=None, words=()):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and "\n" not in e["message"]
+    if code is not None:
+        assert e["code"] == code, e
+    for w in words:
+        assert w in e["message"], e
+    return e
+
+
+def test_bad_requests_get_the_documented_status_and_shape(server, model, engine):
+    ok = {"model": model, "prompt": "hi", "max_tokens": 2}
+    _error(_post(server, "/v1/completions", raw=b"{not json"), 400, "invalid_json")
+    _error(_post(server, "/v1/completions", raw=b"\xff\xfe"), 400, "invalid_json")
+    _error(_post(server, "/v1/completions", raw=b"[1, 2]"), 400, "invalid_body")
+    _error(_post(server, "/v1/completions", raw=b"[" * 100 + b"]" * 100), 400, "invalid_json", ["nested"])
+    _error(_post(server, "/v1/completions", {**ok, "temprature": 0.5}), 400, "unknown_field", ["temprature"])
+    _error(_post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, "invalid_value", ["temperature"])
+    _error(_post(server, "/v1/completions", {**ok, "max_tokens": 0}), 400, "invalid_value", ["max_tokens"])
+    _error(_post(server, "/v1/completions", {**ok, "top_p": 1.5}), 400, "invalid_value", ["top_p"])
+    _error(_post(server, "/v1/completions", {**ok, "stop": [1]}), 400, None, ["stop"])
+    _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "unsupported")
+    _error(_post(server, "/v1/completions", {**ok, "prompt": 5}), 400, None, ["prompt"])
+    _error(_post(server, "/v1/completions", {**ok, "prompt": [10**9]}), 400, None, ["vocabulary"])
+    _error(_post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
+           400, None, ["role"])
+    _error(_post(server, "/v1/chat/completions", {"model": model, "messages": "hi"}), 400, "invalid_value")
+    # no request names a file or a model to load: another model id is refused, nothing is read
+    _error(_post(server, "/v1/completions", {**ok, "model": "/etc/passwd"}), 404, "model_not_found")
+    # bodies over 4 MiB: refused by their declared length, or as they arrive
+    _error(_post(server, "/v1/completions", raw=b" " * (4 * 2**20 + 1)), 413, "body_too_large")
+
+    def chunked():
+        for _ in range(5):
+            yield b" " * 2**20
+
+    _error(httpx.post(server.url + "/v1/completions", content=chunked(), timeout=60), 413, "body_too_large")
+    # a prompt longer than the context: 400 naming both lengths
+    context = engine.context_length
+    e = _error(_post(server, "/v1/completions", {**ok, "prompt": [5] * (context + 3)}), 400, "invalid_prompt")
+    assert str(context + 3) in e["message"] and str(context) in e["message"]
+    # max_tokens beyond the context is clamped: finish_reason length
+    r = _post(server, "/v1/completions", {**ok, "prompt": [5] * (context - 3), "max_tokens": 100, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 3
+    _error(httpx.get(server.url + "/v1/nothing"), 404, "not_found")
+    _error(httpx.get(server.url + "/v1/completions"), 405)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_api_key_queue_limit_and_cors(model, tmp_path_factory):
+    env = {**_env(tmp_path_factory), "TWICE_API_KEY": "s3cret"}
+    s = Server(["-m", model, "--dtype", "float32", "--max-queue", "0", "--cors", "https://app.example"], env)
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200  # no key needed
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                        {"authorization": "Bearer s3cret2"}):
+            _error(httpx.get(s.url + "/v1/models", headers=headers), 401, "invalid_api_key")
+            _error(httpx.get(s.url + "/metrics", headers=headers), 401, "invalid_api_key")
+        good = {"authorization": "Bearer s3cret"}
+        assert httpx.get(s.url + "/v1/models", headers=good).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").models.list()
+        r = _post(s, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, **good)
+        _error(r, 429, "queue_full")
+        assert r.headers["retry-after"] == "1"
+        pre = httpx.options(s.url + "/v1/completions", headers={"origin": "https://app.example",
+                                                                 "access-control-request-method": "POST"})
+        assert pre.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.get(s.url + "/health", headers={"origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.get(server.url + "/health", headers={"origin": "https://app.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_bad_flags_fail_in_one_line(capsys, model):
+    for args, words in ((["--port", "70000"], "--port"), (["--max-batch", "0"], "--max-batch"),
+                        (["--api-key", " "], "--api-key"), (["--host", "no.such.host.invalid"], "--host"),
+                        (["--temperature", "-1"], "temperature")):
+        r = run_inprocess(["serve", "-m", model, *args], capsys)
+        assert words in one_error_line(r)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_requests_in_flight_and_exits_0(model, tmp_path_factory):
+    s = Server(["-m", model, "--dtype", "float32", "--drain-seconds", "60", "--threads", "1"], _env(tmp_path_factory))
+    body = {"model": model, "prompt": "drain me", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    texts = []
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            s.proc.send_signal(signal.SIGTERM)
+            texts = [line for line in lines if line.startswith("data: ")]
+    s.proc.wait(120)
+    s.reader.join(10)
+    assert s.proc.returncode == 0, "".join(s.lines)
+    assert texts[-1] == "data: [DONE]"
+    assert json.loads(texts[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert any("draining" in line for line in s.lines)
