@@ -30,7 +30,7 @@ from .qweight import weight_formats
 from .native_decode import supported as native_supported
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
-from . import speculative
+from . import constraints, speculative
 from .stopping import StopMatcher
 
 CAPACITY_ROUNDING = 64  # session caches grow in steps of this many tokens
@@ -58,6 +58,8 @@ class GenerationSettings:
     # model, if it has one); draft_tokens fixes the guesses per pass (None: adaptive).
     lookup: bool = False
     draft_tokens: int | None = None
+    # Structured output (core/constraints.py): a ConstraintSpec the row's tokens must follow.
+    constraint: object | None = None
 
     def __post_init__(self):
         speculative.check_draft_tokens(self.draft_tokens)
@@ -239,6 +241,7 @@ class _Row:
         self.pieces: list[str] = []
         self.t_first = self.t_last = 0.0
         self.finish: str | None = None
+        self.constraint = None  # constraints.Constraint of a structured-output row
 
 
 def _dropped(tokens: int, chars: int) -> str:
@@ -333,6 +336,7 @@ class Engine:
         start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds
+        row.constraint = constraints.for_settings(self, settings)
         if row.clamped:
             yield Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} "
                          f"to fit the model's context of {self.context_length} tokens", context=True)
@@ -352,6 +356,9 @@ class Engine:
         """Who proposes tokens for `generate` (speculative.py), or None: decode plainly."""
         if settings.lookup and self.draft is not None:
             raise PromptError("--lookup and --draft exclude each other (choose one proposer)")
+        if settings.constraint is not None and (settings.lookup or self.draft is not None):
+            raise constraints.ConstraintError("structured output (--json-schema, --json-object, --regex, --grammar) "
+                                              "does not work with speculative decoding (--draft, --lookup)")
         if settings.lookup:
             return speculative.Speculator(speculative.Lookup(), settings.draft_tokens)
         if self.draft is not None:
@@ -374,10 +381,12 @@ class Engine:
                 if dropped or cut:
                     yield Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context", row=i, context=True)
                 max_new = self._check_length(ids, s)
+                constraint = constraints.for_settings(self, s)
             except TwiceError as e:
                 yield Failed(i, str(e))
                 continue
             rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(), time.perf_counter() - t, 0))
+            rows[-1].constraint = constraint
         if not rows:
             return
         if self.draft is not None or any(r.settings.lookup for r in rows):
@@ -557,13 +566,13 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler) -> torch.Tensor:
+    def _step(self, tokens: torch.Tensor, cache: KVCache, sampler: Sampler, masks: list | None = None) -> torch.Tensor:
         with self._out_of_memory(cache, f"decoding {tokens.shape[0]} rows at {cache.length} tokens"):
             if self._fast_ready(cache) and cache.length < cache.capacity:
                 logits = self.fast(tokens, cache)
             else:
                 logits = self.model(tokens, cache)
-            chosen = sampler(logits)
+            chosen = sampler(logits, masks)
             sampler.observe(chosen)
         return chosen
 
@@ -595,7 +604,7 @@ class Engine:
     def _decode(self, rows: list[_Row], cache: KVCache, sampler: Sampler, logits: torch.Tensor, start: float,
                 prefill_seconds: float, track: bool, batch_tokens: int = 0) -> Iterator[Event]:
         with torch.inference_mode():
-            chosen = sampler(logits)
+            chosen = sampler(logits, constraints.masks(rows))
             sampler.observe(chosen)
         ids = chosen.tolist()
         step_seconds = prefill_seconds
@@ -621,7 +630,8 @@ class Engine:
                 cache.keep_rows(keep)
                 sampler.keep_rows(keep)
             t = time.perf_counter()
-            chosen = self._step(torch.tensor(ids, device=self.device).unsqueeze(1), cache, sampler)
+            chosen = self._step(torch.tensor(ids, device=self.device).unsqueeze(1), cache, sampler,
+                                constraints.masks(live))
             if track:
                 self.cached_ids.extend(ids)
             ids = chosen.tolist()
@@ -635,12 +645,13 @@ class Engine:
             row.steps.append(step_seconds)
         row.t_last = now
         row.generated.append(token)
+        complete = row.constraint is not None and row.constraint.advance(token)  # the grammar took its last token
         is_eos = token in self.eos and not row.settings.ignore_eos
         text, stopped = row.stop.feed("" if is_eos else row.stream.step(token))
         if stopped:
             row.finish = "stop"
-        elif is_eos or len(row.generated) >= row.max_new:
-            row.finish = "eos" if is_eos else ("context" if row.clamped else "length")
+        elif is_eos or complete or len(row.generated) >= row.max_new:
+            row.finish = "eos" if is_eos else "stop" if complete else ("context" if row.clamped else "length")
             tail, stopped = row.stop.feed(row.stream.finish())
             text += tail
             if stopped:

@@ -49,6 +49,26 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+def apply_masks(logits: torch.Tensor, masks: list) -> torch.Tensor:
+    """Logits [B, V] with each row's disallowed tokens at -inf: `masks[b]` is None (the row
+    is free) or a bool tensor, True = allowed; ids past its length are disallowed. A copy
+    where any row is masked (the caller's logits stay as they were)."""
+    if all(m is None for m in masks):
+        return logits
+    out = logits.clone()
+    v = out.shape[-1]
+    for b, m in enumerate(masks):
+        if m is None:
+            continue
+        m = m.to(out.device)
+        if m.shape[-1] != v:
+            full = torch.zeros(v, dtype=torch.bool, device=out.device)
+            full[: min(v, m.shape[-1])] = m[:v]
+            m = full
+        out[b].masked_fill_(~m, float("-inf"))
+    return out
+
+
 class Sampler:
     """Samples one token per live row; rows may carry different parameters."""
 
@@ -71,8 +91,11 @@ class Sampler:
                 if ids:
                     self.seen[row, torch.tensor(ids, device=device)] = True
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] → token ids [B] (on the logits' device)."""
+    def __call__(self, logits: torch.Tensor, masks: list | None = None) -> torch.Tensor:
+        """logits [B, V] → token ids [B] (on the logits' device). `masks`: per row None or
+        the tokens allowed (structured output, core/constraints.py; see apply_masks)."""
+        if masks is not None:
+            logits = apply_masks(logits, masks)
         if self.all_greedy:
             chosen = kernels.argmax(logits)  # torch's CPU argmax costs 2% of a batch-16 step
             return chosen if chosen is not None else logits.argmax(dim=-1)
