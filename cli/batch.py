@@ -1,8 +1,10 @@
 """`twice batch INPUT`: many prompts through the model in batches, one JSON line each.
 
 The input is parsed whole before the model loads, so bad lines are reported (and, with
---strict, stop the run) before any work. Prompts are sorted by token length and cut into
-batches so that rows of a batch need little left padding. Each result is written as one
+--strict, stop the run) before any work. Prompts are sorted by token length and run through the
+engine's scheduler with at most --batch-size rows decoding together: as a row finishes,
+the next prompt takes its place (core/scheduler.py), so the batch stays full until the
+input runs out. Each result is written as one
 complete line with a single write() (and fsync'ed to a file) the moment its row finishes:
 a killed run loses only the prompts in flight, and `--resume` drops a torn last line,
 skips the ids already written and appends the rest.
@@ -70,6 +72,10 @@ def line_settings(record: Record, base):
         changes["max_new_tokens"] = opts["max_new_tokens"]
     if "stop" in opts:
         changes["stop"] = opts["stop"]
+    if "response_format" in opts:  # structured output for this line ({"type": "text"}: none)
+        from twice.core.constraints import constraint_from_response_format
+
+        changes["constraint"] = constraint_from_response_format(opts["response_format"])
     return dataclasses.replace(base, **changes) if changes else base
 
 
@@ -143,8 +149,9 @@ class Stats:
     started: float = 0.0
     wall: float = 0.0
     oom_retries: int = 0  # batches cut in half because the device ran out of memory
-    largest_batch: int = 0  # most rows in one generate_batch call
-    rows: int = 0  # rows over all generate_batch calls (a batch run again after running out of memory counts again)
+    joined: int = 0  # prompts that took a finished row's place while the others decoded
+    largest_batch: int = 0  # most rows decoded together
+    rows: int = 0  # the most rows of each scheduler run, summed (a run again after running out of memory counts again)
     decode_path: str = ""  # native | compiled | eager, as the engine reports it
     batch_invariant: bool = True  # every finished row bit for bit its prompt alone (GenerationResult.batch_invariant)
 
@@ -172,63 +179,75 @@ def error_line(record: Record, message: str) -> dict:
 
 
 def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, progress, say) -> int:
-    """Run the batches in order, writing each result as its row finishes. When the device
-    runs out of memory mid-batch, the rows that finished are kept and the others are run
-    again in batches half the size (and every later batch at that size too); only a single
-    prompt that does not fit by itself stops the run. Returns the batch size in use at the
-    end."""
-    from twice.core.engine import Done, Failed, Notice, PrefillStart, Request, TokenEvent
+    """Run the prompts through the engine's scheduler (core/scheduler.py) with at most the
+    batch size decoding together: as a row finishes, the next prompt takes its place, so
+    the batch stays full until the input runs out. Each result is written as its row
+    finishes. When the device runs out of memory, the rows that finished are kept and the
+    others are run again with half the rows (and the rest of the run at that size); only a
+    single prompt that does not fit by itself stops the run. Returns the batch size in
+    use at the end."""
+    from twice.core.engine import Done, Notice
     from twice.core.errors import DeviceError
+    from twice.core.scheduler import Scheduler, Token
 
     stats.started = time.perf_counter()
-    pending = [job for batch in batches for job in batch]
+    pending = [job for batch in batches for job in batch]  # by prompt length: rows that run together end alike
     size = max((len(batch) for batch in batches), default=1)
+    stats.kv_per_token = engine.cache_stats().bytes_per_token
     while pending:
-        batch, pending = pending[:size], pending[size:]
+        # No prefix copies: every row stays bit for bit its prompt alone (rows vs alone).
+        scheduler = Scheduler(engine, max_batch=size, prefix_reuse=False)
+        jobs: dict[int, Job] = {}
+        for job in pending:
+            try:
+                jobs[scheduler.submit(job.ids, job.settings)] = job  # token ids: each prompt was tokenized once already
+            except TwiceError as e:
+                writer.write(error_line(job.record, str(e)))
+                stats.failed += 1
+                progress.advance(stats)
         stats.batches += 1
-        stats.prompts += len(batch)
-        stats.largest_batch = max(stats.largest_batch, len(batch))
-        stats.rows += len(batch)
+        stats.prompts += len(jobs)
         finished: set[int] = set()
-        tokens = [0] * len(batch)
-        # Pass token ids: each prompt was tokenized once already, to sort by length.
-        events = engine.generate_batch([Request(ids=j.ids) for j in batch], [j.settings for j in batch])
+        tokens = dict.fromkeys(jobs, 0)
+        allocated = 0
         try:
-            for event in events:
-                if isinstance(event, TokenEvent):
+            for event in scheduler.run():
+                if isinstance(event, Token):
                     stats.generated_tokens += 1
                     tokens[event.row] += 1
+                    allocated = max(allocated, event.cache.bytes_allocated)
                     progress.tick(stats)
                 elif isinstance(event, Done):
-                    _record_done(batch[event.row].record, event.result, writer, stats)
+                    _record_done(jobs[event.row].record, event.result, writer, stats)
                     finished.add(event.row)
                     progress.advance(stats)
-                elif isinstance(event, Failed):
-                    writer.write(error_line(batch[event.row].record, event.message))
-                    stats.failed += 1
-                    finished.add(event.row)
-                    progress.advance(stats)
-                elif isinstance(event, PrefillStart):
-                    stats.kv_per_token = event.cache.bytes_per_token
-                    stats.kv_allocated.append(event.cache.bytes_allocated)
                 elif isinstance(event, Notice):
-                    where = f"id {show_value(batch[event.row].record.id)}: " if event.row is not None else ""
+                    where = f"id {show_value(jobs[event.row].record.id)}: " if event.row is not None else ""
                     say(f"note: {where}{event.message}")
+            pending = []
         except DeviceError as e:
             if "out of memory" not in str(e):
                 raise
-            left = [i for i in range(len(batch)) if i not in finished]
-            if len(batch) == 1:
-                raise DeviceError(f"{e} (even one prompt at a time: id {show_value(batch[0].record.id)})") from None
-            size = max(1, len(batch) // 2)
+            left = [i for i in jobs if i not in finished]
+            # The batch that failed: the prompts it had taken in (finished or not), at most its size.
+            started = [i for i in left if i in scheduler.seqs and scheduler.seqs[i].state != "waiting"]
+            held = min(size, len(started) + len(finished))
+            if held <= 1:
+                first = started[0] if started else left[0]
+                raise DeviceError(f"{e} (even one prompt at a time: id {show_value(jobs[first].record.id)})") from None
+            size = max(1, held // 2)
             stats.oom_retries += 1
             stats.prompts -= len(left)
             stats.generated_tokens -= sum(tokens[i] for i in left)
-            say(f"note: out of memory with {len(batch)} prompts in a batch; running the "
-                f"{_count(len(left), 'unfinished prompt')} again, {size} at a time")
-            pending = [batch[i] for i in left] + pending
+            say(f"note: out of memory with {held} prompts in a batch; running the "
+                f"{_count(len(started), 'unfinished prompt')} again, {size} at a time")
+            pending = [jobs[i] for i in left]
         finally:
-            events.close()
+            stats.largest_batch = max(stats.largest_batch, scheduler.counters.most_running)
+            stats.rows += scheduler.counters.most_running
+            stats.joined += scheduler.counters.joined_running
+            if allocated:
+                stats.kv_allocated.append(allocated)
     stats.wall = time.perf_counter() - stats.started
     return size
 
@@ -300,13 +319,15 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | N
     rows = [
         ("load", seconds(loaded.load_seconds), "read config, weights and tokenizer"),
         ("prompts", f"{stats.done} done, {stats.failed} failed", "rows sent to the engine in this run"),
-        ("batches", str(stats.batches), "generate_batch calls (prompts sorted by token length)"),
+        ("batches", str(stats.batches), "scheduler runs: one, plus one per out-of-memory retry (prompts sorted by "
+                                        "token length; a finished row's place goes to the next prompt)"),
+        ("refills", f"{stats.joined:,}", "prompts that joined the batch while other rows were decoding"),
         ("batch size limit", str(batch_size) + (f" → {used}" if used is not None and used != batch_size else ""),
          f"most rows a batch may hold: {why}"
          + ("; → the limit it was cut to after running out of memory" if used is not None and used != batch_size
             else "")),
         ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.batches):,.1f} mean",
-         "rows each generate_batch call held (at most the limit; the last batch holds what is left)"),
+         "most rows decoded together in each run (at most the limit; fewer when fewer prompts are left)"),
         ("rows vs alone", "identical" if stats.batch_invariant else "may differ",
          "identical: each row's tokens are bit for bit its prompt's alone, at any batch size (the native CPU "
          "step); may differ: PyTorch's kernels reduce a row differently beside others, so rows can part from "
@@ -315,11 +336,12 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | N
         ("generated tokens", f"{stats.generated_tokens:,}", "sum over all rows"),
         ("wall time", seconds(stats.wall), "first batch start → last batch end (prefill + decode, all batches)"),
         ("aggregate tokens/s", f"{rate:,.1f}", "generated tokens ÷ wall time"),
-        ("mean TTFT", seconds(mean_ttft), "mean over prompts of: its batch's start → its first token's text"),
+        ("mean TTFT", seconds(mean_ttft), "mean over prompts of: the run's start → its first token's text (waiting for a row included)"),
         ("peak memory", human_bytes(stats.peak_memory), "peak process RSS on cpu, torch.cuda.max_memory_allocated on cuda"),
         ("KV per token", human_bytes(stats.kv_per_token), "2 · layers · kv heads · head dim · bytes, one row"),
         ("KV per batch", human_bytes(max(stats.kv_allocated, default=0)),
-         "largest cache allocated for one batch: rows × (longest prompt + max new tokens − 1) × per token"),
+         "largest batch cache allocated: rows × (the columns in use + the most new tokens a row may still add) "
+         "× per token"),
     ]
     for row in rows:
         t.add_row(*row)
@@ -342,6 +364,7 @@ class Plan:
     system: str | None
     use_chat: bool = False
     compile: bool = False  # --compile: the torch.compile'd decode step (and CUDA graphs on a GPU)
+    kv_dtype: str = "auto"  # --kv-dtype: the KV cache's element type (core/cache.py)
     stats: bool = False  # -v/--stats: a few lines at the end
     quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
 
@@ -404,14 +427,21 @@ def batch(
     stats: o.Stats = False,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    kv_dtype: o.KvDtype = "auto",
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
     lookup: o.Lookup = False,
+    json_schema: o.JsonSchema = None,
+    json_object: o.JsonObject = False,
+    regex: o.Regex = None,
+    grammar: o.Grammar = None,
     no_color: o.NoColor = False,
 ):
     if no_color:
         COLOR["on"] = False
     o.check_speculation(draft, draft_tokens, lookup, tp)
+    constraint = o.constraint_spec(json_schema, json_object, regex, grammar)  # every line's, unless it names its own
+    o.check_kv_dtype(kv_dtype)
     from .prompt_input import check_text_arguments
 
     check_text_arguments(system=system, stop=stop)
@@ -430,8 +460,8 @@ def batch(
             merge = _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size,
                                         input_format, model, revision, device, dtype, chat, system, timing, compile,
                                         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                         stop, prefill_chunk), stats=stats, locks=locks, weights=weights,
-                                        draft=draft, lookup=lookup)
+                                         stop, prefill_chunk, constraint), stats=stats, locks=locks, weights=weights,
+                                        draft=draft, lookup=lookup, kv_dtype=kv_dtype)
         except _RefusedEverywhere:
             raise  # every rank knows already, and none has started
         except TwiceError as e:
@@ -513,7 +543,7 @@ def _done_in(parts: list[Path]) -> set[str]:
 
 def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, strict, batch_size, input_format,
                         model, revision, device, dtype, chat, system, timing, compile, settings,
-                        locks=None, stats=False, weights=None, draft=None, lookup=False):
+                        locks=None, stats=False, weights=None, draft=None, lookup=False, kv_dtype="auto"):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
     from twice.weights.load import load
@@ -555,7 +585,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
             _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
         return merge
     plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
-                batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats)
+                batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats, kv_dtype=kv_dtype)
     if shard.active and launch.rank != 0:
         plan.out_path, plan.quiet = None, True  # tensor parallel: rank 0 writes for all
     # Speculative decoding serves one sequence at a time (Engine.generate); a batch decodes
@@ -579,7 +609,7 @@ def _run(loaded, plan: Plan, base) -> None:
     from twice.core.engine import Engine
 
     say = _quiet if plan.quiet else _say
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=plan.compile)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=plan.compile, kv_dtype=plan.kv_dtype)
     if (compiled := o.compile_note(engine, plan.compile)) is not None:
         say(f"note: {compiled}")
     jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)
@@ -656,12 +686,12 @@ def _finish(stats: Stats, bad_lines: int, already: int) -> None:
 
 
 def _base_settings(loaded, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                   prefill_chunk):
+                   prefill_chunk, constraint=None):
     from twice.core.engine import GenerationSettings
 
     sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p, repetition_penalty, seed)
     return GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
-                              prefill_chunk=prefill_chunk)
+                              prefill_chunk=prefill_chunk, constraint=constraint)
 
 
 def _auto_size(engine, jobs: list[Job], device) -> tuple[int, str]:

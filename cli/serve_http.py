@@ -112,7 +112,6 @@ class Worker:
         return self.snapshot.waiting + self.pending
 
     def _loop(self) -> None:
-        from twice.core.engine import Done
         from twice.core.errors import TwiceError
 
         s = self.scheduler
@@ -157,6 +156,7 @@ class Worker:
             try:
                 events = s.step()
             except Exception as e:  # noqa: BLE001 - out of memory, a bug: every request in flight ends with it
+                self._dispatch(s.take_salvaged())
                 message = str(e) if isinstance(e, TwiceError) else f"{type(e).__name__}: {e}"
                 for sink in self.sinks.values():
                     sink(ApiError(500 if not isinstance(e, TwiceError) else 503, message, "server_error",
@@ -166,13 +166,20 @@ class Worker:
                                                  s.prefix_min, s.retained_most)
                 self._publish()
                 continue
-            for event in events:
-                sink = self.sinks.get(event.row)
-                if sink is not None:
-                    sink(event)
-                if isinstance(event, Done):
-                    self.sinks.pop(event.row, None)
+            self._dispatch(events)
             self._publish()
+
+    def _dispatch(self, events) -> None:
+        from twice.core.engine import Done, TokenEvent
+
+        for event in events:
+            if not isinstance(event, (TokenEvent, Done)):
+                continue  # notices (a clamped max_tokens): the reply's finish_reason says it
+            sink = self.sinks.get(event.row)
+            if sink is not None:
+                sink(event)
+            if isinstance(event, Done):
+                self.sinks.pop(event.row, None)
 
     def _publish(self) -> None:
         s = self.scheduler

@@ -52,7 +52,7 @@ from . import kernels
 from .cache import KVCache
 from .device import synchronize
 from .engine import (CAPACITY_ROUNDING, Done, Engine, Failed, GenerationSettings, Notice, Request, TokenEvent,
-                     _common_prefix, _Row)
+                     _common_prefix, _dropped, _Row)
 from .errors import PromptError, TwiceError
 from .sampling import Sampler
 
@@ -142,6 +142,8 @@ class Scheduler:
         self.retained: collections.deque[_Retained] = collections.deque()
         self.seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
+        self._notices: list[Notice] = []  # said at the next step
+        self.salvaged: list[object] = []
 
     # -- the public surface --------------------------------------------------------------
     def submit(self, request: Request | list[int], settings: GenerationSettings, constraint=None,
@@ -154,10 +156,20 @@ class Scheduler:
         t = submitted if submitted is not None else time.perf_counter()
         if not isinstance(request, Request):
             request = Request(ids=list(request))
-        ids, _ = engine._tokenize(request, settings)
-        ids, _ = engine._truncate(ids, settings)
+        ids, cut = engine._tokenize(request, settings)
+        ids, dropped = engine._truncate(ids, settings)
         max_new = engine._check_length(ids, settings)
+        if constraint is None and settings.constraint is not None:  # structured output named in the settings
+            from .constraints import build
+            constraint = build(engine, settings.constraint)  # a bad spec: ConstraintError here, nothing queued
         seq_id = next(self._ids)
+        if dropped or cut:
+            self._notices.append(Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context of "
+                                        f"{engine.context_length} (--truncate left)", row=seq_id, context=True))
+        if max_new < settings.max_new_tokens:
+            self._notices.append(Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} to fit "
+                                        f"the model's context of {engine.context_length} tokens", row=seq_id,
+                                        context=True))
         row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(), time.perf_counter() - t, 0)
         sampler = Sampler([settings.sampling], [ids], engine.config.vocab_size, engine.device)
         seq = _Seq(seq_id, row, sampler, constraint, logprobs, float(presence_penalty), float(frequency_penalty), t)
@@ -174,7 +186,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.ready or self.running)
+        return bool(self.waiting or self.prefilling or self.ready or self.running or self._notices)
 
     @property
     def running(self) -> list[_Seq]:
@@ -202,20 +214,36 @@ class Scheduler:
         return used, allocated
 
     def run(self) -> Iterator[object]:
-        """Step until every submitted request is done, yielding the events."""
+        """Step until every submitted request is done, yielding the events. A step that
+        raises (out of memory) yields what it had done before the error is raised."""
         while self.has_work:
-            yield from self.step()
+            try:
+                events = self.step()
+            except BaseException:
+                yield from self.take_salvaged()
+                raise
+            yield from events
 
     def step(self) -> list[object]:
         """One iteration: cancellations, prefill chunks, joins, one decode step. Returns the
         events (Token, Done, Failed, Notice) in order."""
-        events: list[object] = []
-        self._cancel(events)
-        self._prefill(events)
-        self._join()
-        if self.running:
-            self._decode(events)
-        self._free_rows()
+        events: list[object] = self._notices
+        self._notices = []
+        try:
+            self._cancel(events)
+            self._prefill(events)
+            self._join()
+            if self.running:
+                self._decode(events)
+            self._free_rows()
+        except BaseException:
+            self.salvaged = events  # what the step did before it failed (rows that finished: their results)
+            raise
+        return events
+
+    def take_salvaged(self) -> list[object]:
+        """The events a step that raised had produced before it failed (then none)."""
+        events, self.salvaged = self.salvaged, []
         return events
 
     # -- cancellation ---------------------------------------------------------------------
