@@ -221,10 +221,6 @@ def test_full_rotary_longrope_greedy_and_native_step(full_rotary):
 
 
 def test_quantize_q8_0_runs_phi3(model_dirs):
-    from twice.weights.gguf_write import ARCHITECTURES
-
-    if "phi3" not in ARCHITECTURES:  # --quantize picks types by GGUF name (weights/gguf_names.py)
-        pytest.skip("phi3's GGUF names (attn_qkv, ffn_up = gate|up) are not in weights/gguf_names.py yet")
     q = load(str(model_dirs("phi3")), device="cpu", dtype="float32", weights="q8_0")
     f = load(str(model_dirs("phi3")), device="cpu", dtype="float32")
     ids = prompt_ids(12, seed=2)

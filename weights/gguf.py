@@ -244,6 +244,13 @@ def _phi3_config(config: dict, metadata: dict, rotary: int, find, src: Path) -> 
     original = positive_int(metadata, "phi3.rope.scaling.original_context_length", src)
     config["original_max_position_embeddings"] = original
     config["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    # llama.cpp scales attention by rope.scaling.attn_factor; the converter writes the value
+    # longrope implies, which stays implied (exact) unless the file says otherwise.
+    scale = config["max_position_embeddings"] / original
+    implied = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    given = positive_float(metadata, "phi3.rope.scaling.attn_factor", src, default=implied)
+    if abs(given - implied) > 1e-6 * implied:
+        config["rope_scaling"]["attention_factor"] = float(given)
 
 
 def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) -> dict:

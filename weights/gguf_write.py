@@ -16,7 +16,11 @@ and llama-quantize write:
   and every 1-D tensor stay F32, as llama.cpp keeps them; so do position embeddings).
 
 Architectures: llama (also Mistral, written as llama: llama.cpp has no sliding window for
-it), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does).
+it), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does),
+phi3 (fused attn_qkv and ffn_up = gate|up as in the checkpoint; partial rotary as
+rope.dimension_count, the window as attention.sliding_window (0: none), longrope as the
+rope_factors_long/short tensors with rope.scaling.original_context_length and attn_factor,
+as Phi3MiniModel writes them).
 Everything that can be refused is checked before a byte is written; the file is written
 beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
@@ -50,7 +54,7 @@ FILE_TYPES: dict[str, int] = {
 
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-                 "olmo2": "olmo2"}
+                 "olmo2": "olmo2", "phi3": "phi3"}
 # Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
 # written as files (the writer would have to stack their experts as llama.cpp does).
 _IN_MEMORY_ONLY = {"mixtral": "mixtral", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
@@ -157,7 +161,7 @@ def write_gguf(folder: Path, out: Path, mixture: str, *, overwrite: bool = False
     for p in plans:
         summary.types[p.type_name] = summary.types.get(p.type_name, 0) + 1
         summary.type_bytes[p.type_name] = summary.type_bytes.get(p.type_name, 0) + p.nbytes
-        summary.parameters += math.prod(p.shape) if p.name != "rope_freqs.weight" else 0
+        summary.parameters += math.prod(p.shape) if p.name not in _SETTINGS_TENSORS else 0
         summary.tensor_bytes += p.nbytes
 
     refuse_non_regular(out, WeightsError)
@@ -225,6 +229,8 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     if arch == "llama":
         kv.append((f"{arch}.rope.dimension_count", "uint32", config.head_dim))
     rope = config.rope_parameters or {}
+    if arch == "phi3":
+        kv += _phi3_metadata(config, raw, rope)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
     kind = rope.get("rope_type", "default")
     if kind == "linear":
@@ -239,6 +245,30 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
             if rope.get(key) is not None:
                 kv.append((f"{arch}.rope.scaling.{gguf_key}", "float32", float(rope[key])))
     return kv
+
+
+def _phi3_metadata(config: ModelConfig, raw: dict, rope: dict) -> list[tuple[str, str, Any]]:
+    """Phi3MiniModel's keys: the rotated dimensions of each head, the original context (always,
+    as the converter writes it), the window (0: none) and longrope's attention factor (its
+    factors are tensors: _phi3_factors)."""
+    kv = [("phi3.rope.dimension_count", "uint32", int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))]
+    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        kv.append(("phi3.rope.scaling.original_context_length", "uint32", original))
+    kv.append(("phi3.attention.sliding_window", "uint32", config.sliding_window or 0))
+    if rope.get("rope_type") == "longrope":
+        kv.append(("phi3.rope.scaling.attn_factor", "float32", _longrope_attention_factor(config, rope)))
+    return kv
+
+
+def _longrope_attention_factor(config: ModelConfig, rope: dict) -> float:
+    """The attention scaling longrope implies (transformers' and the converter's formula), or
+    the config's own attention_factor."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = int(rope["original_max_position_embeddings"])
+    scale = rope.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
 
 
 def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, str, Any]]:
@@ -359,6 +389,8 @@ def _pre_name(pre: Any, ignore_merges: bool, path: Path) -> str:
 # -- tensors -------------------------------------------------------------------------------
 
 _IGNORED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# Tensors that hold settings, not weights (RoPE tables llama.cpp keeps as tensors).
+_SETTINGS_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -407,9 +439,8 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
             raise WeightsError(f"{folder}: the checkpoint has no tensor for {required}")
     if not config.tie_word_embeddings and "output.weight" not in found:
         raise WeightsError(f"{folder}: the checkpoint has no lm_head.weight (and config.json does not tie it)")
-    extra = _rope_freqs(config, arch)
-    order = ["token_embd.weight", "position_embd.weight"] + (["rope_freqs.weight"] if extra else [])
-    plans = [found[n] for n in order if n in found] + ([extra] if extra else [])
+    extra = [p for p in (_rope_freqs(config, arch),) if p] + _phi3_factors(config, arch)
+    plans = [found[n] for n in ("token_embd.weight", "position_embd.weight") if n in found] + extra
     plans += [p for n, p in sorted(found.items(), key=lambda kv: _layer_order(kv[0])) if n.startswith("blk.")]
     plans += [found[n] for n in ("output_norm.weight", "output_norm.bias", "output.weight") if n in found]
     choose = _type_chooser(mixture, arch, config, "output.weight" not in found, folder)
@@ -453,10 +484,24 @@ def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
     return TensorPlan("rope_freqs.weight", tuple(values.shape), "F32", lambda: values, source="rope_parameters")
 
 
+def _phi3_factors(config: ModelConfig, arch: str) -> list[TensorPlan]:
+    """longrope's per-pair factors as llama.cpp keeps them: rope_factors_long/short.weight."""
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type") != "longrope":
+        return []
+    if arch != "phi3":
+        raise UnsupportedModelError(f"longrope RoPE scaling has no GGUF form for {arch}")
+    plans = []
+    for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
+        values = torch.tensor(rope[key], dtype=torch.float32)
+        plans.append(TensorPlan(name, tuple(values.shape), "F32", lambda v=values: v, source=f"rope_parameters.{key}"))
+    return plans
+
+
 def _keeps_float(p: TensorPlan) -> bool:
     """llama.cpp never quantizes 1-D tensors, norms, biases or position embeddings."""
     return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight"))  # + MoE routers
-            or p.name in ("position_embd.weight", "rope_freqs.weight"))
+            or p.name == "position_embd.weight" or p.name in _SETTINGS_TENSORS)
 
 
 def _type_chooser(mixture: str, arch: str, config: ModelConfig, tied: bool, where: Any) -> Callable[[TensorPlan], str]:

@@ -1,0 +1,142 @@
+"""GGUF for the families of issue 15, second part: phi3 written by `twice quantize`, read back by
+twice and loaded by llama.cpp. Each: transformers' logits on the weights the file holds, 32 greedy
+tokens, as stored and through --dequantize. The helpers (the reference model with each weight
+round-tripped through its type in the file, logits, greedy runs) are tests/test_gguf_families.py's;
+llama.cpp's converter and llama-cpp-python are tests/llamacpp.py's (slow tests: real processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llamacpp import llama_logits
+from test_gguf_families import IDS, TEXTS, _float_products, hf_greedy, load_tokenizer, logits, reference  # noqa: F401
+from twice.core.engine import Engine, GenerationSettings, Request
+from twice.weights.gguf_file import read_gguf
+from twice.weights.load import load
+
+torch.set_grad_enabled(False)
+
+# tiny.py's model → the llama.cpp architecture twice quantize writes for it.
+WRITTEN = {"phi3": "phi3", "phi3-long": "phi3"}
+
+
+@pytest.mark.parametrize("family", WRITTEN)
+def test_twice_quantize_f32_equals_transformers_as_stored_and_dequantized(model_dirs, written, family):
+    path = written(family, "f32")
+    assert read_gguf(path).metadata["general.architecture"] == WRITTEN[family]
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    want = reference(model_dirs(family), path, WRITTEN[family])(IDS).logits[0]
+    assert (logits(stored, IDS) - want).abs().max() < 1e-4
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    original = load_tokenizer(model_dirs(family))
+    assert [stored.tokenizer.encode(t) for t in TEXTS] == [original.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("family", WRITTEN)
+def test_twice_quantize_q8_0_as_stored_equals_dequantized_and_transformers(model_dirs, written, family):
+    path = written(family, "q8_0")
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    a, b = logits(stored, IDS), logits(floats, IDS)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    want = reference(model_dirs(family), path, WRITTEN[family])(IDS).logits[0]
+    assert (b - want).abs().max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, model_dirs):
+    """(family, kind) → the tiny model written by `twice quantize --type kind` (once per module),
+    named "tiny random model": llama.cpp sets token attributes by general.name, and for a name
+    with "phi3" in it looks up Phi-3's "</s>", which the tiny vocabulary does not have."""
+    root = tmp_path_factory.mktemp("families2-gguf")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, kind: str) -> Path:
+        if (family, kind) not in made:
+            from twice.weights.gguf_write import write_gguf
+
+            made[family, kind] = root / f"{family}-{kind}.gguf"
+            write_gguf(model_dirs(family), made[family, kind], kind, name="tiny random model")
+        return made[family, kind]
+
+    return get
+
+
+def greedy(loaded, ids: torch.Tensor, n: int = 32) -> list[int]:
+    """32 greedy tokens on the eager layers: with _float_products, blocks multiply as their float
+    values (the native step's 8-bit activations are tests/test_native_*.py's, and may flip a
+    near-tie of the tiny random models)."""
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, native=False)
+    events = list(engine.generate(Request(ids=ids[0].tolist()), GenerationSettings(max_new_tokens=n, ignore_eos=True)))
+    return events[-1].result.token_ids
+
+
+# phi3-long: transformers' generate switches longrope's factors for every position once the
+# sequence passes original_max_position_embeddings (tests/test_gguf_families.py says why).
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_twice_quantize_greedy_tokens_equal_generate(model_dirs, written, kind):
+    path = written("phi3", kind)
+    ids = IDS[:, :7]
+    want = hf_greedy(reference(model_dirs("phi3"), path, "phi3"), ids)
+    assert greedy(load(str(path), device="cpu", dtype="float32"), ids) == want
+    assert greedy(load(str(path), weights="dequantize", device="cpu", dtype="float32"), ids) == want
+
+
+def test_phi3_keys_and_factor_tensors(model_dirs, written):
+    """The keys and tensors Phi3MiniModel writes: rotated dimensions, original context, window,
+    attention factor; longrope's factors as F32 tensors."""
+    import math
+
+    path = written("phi3-long", "q8_0")
+    meta = read_gguf(path).metadata
+    assert meta["phi3.rope.dimension_count"] == 12 and meta["phi3.rope.scaling.original_context_length"] == 16
+    assert meta["phi3.attention.sliding_window"] == 12
+    assert meta["phi3.rope.scaling.attn_factor"] == pytest.approx(math.sqrt(1 + math.log(64 / 16) / math.log(16)))
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert tensors["rope_factors_long.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.allclose(np.asarray(tensors["rope_factors_long.weight"].data), [1.0, 1.5, 2.5, 4.0, 6.0, 9.0])
+    assert np.allclose(np.asarray(tensors["rope_factors_short.weight"].data), [1.0, 1.1, 1.3, 1.6, 2.0, 2.5])
+    assert tensors["blk.0.attn_qkv.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert read_gguf(written("phi3", "f32")).metadata["phi3.attention.sliding_window"] == 0
+
+
+# -- slow: llama.cpp loads twice's files ----------------------------------------------------
+
+
+def _with_long_factors(folder: Path, into: Path) -> Path:
+    """A copy of the phi3 folder whose short factors are its long ones."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, into)
+    config = json.loads((into / "config.json").read_text())
+    config["rope_parameters"]["short_factor"] = config["rope_parameters"]["long_factor"]
+    (into / "config.json").write_text(json.dumps(config))
+    return into
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", WRITTEN)
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_llama_cpp_loads_twice_quantize_output(model_dirs, written, tmp_path, family, kind):
+    """llama.cpp's logits on twice's file are transformers' on the weights it holds (within its
+    f16 KV cache's rounding; q8_0: the activations' 8-bit rounding too). Two llama.cpp choices
+    the reference follows: it picks longrope's factors by its context size, not by the
+    sequence's length (measured: its logits at n_ctx 64 are the long factors', for originals of
+    64 and 16), and it runs no Phi-3 sliding window (models/phi3.cpp: "Phi SWA is currently
+    disabled"), so the prompt stays within phi3-long's window of 12. Measured, of logits up to
+    2.3: f32 1.1e-3."""
+    path = written(family, kind)
+    ids = IDS[0, :12].tolist()
+    got, n_vocab = llama_logits(path, ids)
+    assert n_vocab == read_gguf(path).metadata["phi3.vocab_size"]
+    folder = _with_long_factors(model_dirs(family), tmp_path / "long")
+    want = reference(folder, path, WRITTEN[family])(torch.tensor([ids])).logits[0]
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= {"f32": 1e-3, "q8_0": 0.05}[kind] * scale
