@@ -17,7 +17,7 @@ from twice.core.fields import loads
 
 FORMATS = ("txt", "jsonl")
 MAX_LINE_CHARS = 64 * 2**20  # as cli/prompt_input.py's MAX_PROMPT_BYTES: one prompt
-LINE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+LINE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "response_format")
 KNOWN_KEYS = frozenset(("id", "prompt", "messages", *LINE_OPTIONS))
 
 
@@ -145,6 +145,10 @@ def _messages(value) -> list:
 
 def _option(key: str, value):
     """Check one per-line setting's type and range; return it in the form the engine takes."""
+    if key == "response_format":  # checked and compiled by core/constraints.py (cli/batch.py's line_settings)
+        if not isinstance(value, dict):
+            raise _BadLine(f'"response_format" must be an object, got {_kind(value)}')
+        return value
     if key == "stop":
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -50,6 +50,10 @@ def generate(
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
     lookup: o.Lookup = False,
+    json_schema: o.JsonSchema = None,
+    json_object: o.JsonObject = False,
+    regex: o.Regex = None,
+    grammar: o.Grammar = None,
     prompt_cache: o.PromptCache = None,
     prompt_cache_ro: o.PromptCacheRO = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, counts, finish reason, "
@@ -61,6 +65,7 @@ def generate(
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate, threads)
     o.check_speculation(draft, draft_tokens, lookup, tp)
+    constraint = o.constraint_spec(json_schema, json_object, regex, grammar, draft, lookup)  # read and compiled now
     from .prompt_cache import check_options as check_prompt_cache
 
     check_prompt_cache(prompt_cache, prompt_cache_ro, tp)
@@ -83,7 +88,7 @@ def generate(
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
                   truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats,
-                  weights=weights, speculation=(draft, draft_tokens, lookup),
+                  weights=weights, constraint=constraint, speculation=(draft, draft_tokens, lookup),
                   prompt_cache=(prompt_cache, prompt_cache_ro))
     finally:
         finish(launch)
@@ -91,7 +96,7 @@ def generate(
 
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
-              no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None,
+              no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None, constraint=None,
               speculation=(None, None, False), prompt_cache=(None, False)) -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.device import DTYPE_NAMES
@@ -114,7 +119,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
                                      repetition_penalty, seed)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()),
                                       prefill_chunk=prefill_chunk, truncate=truncate, lookup=lookup,
-                                      draft_tokens=draft_tokens)
+                                      draft_tokens=draft_tokens, constraint=constraint)
         note = (lambda message: None) if quiet else readout.note
         if (larger := o.check_draft(loaded, drafted)) is not None:
             note(larger)
@@ -208,6 +213,7 @@ def json_payload(result, loaded, settings, chat: bool, system: str | None, compi
             "compile": compiled,
             "lookup": settings.lookup,
             "draft_tokens": settings.draft_tokens,
+            **({"constraint": settings.constraint.to_dict()} if settings.constraint is not None else {}),
             "device": result.device,
             "dtype": result.dtype,
         },

@@ -77,6 +77,19 @@ Keep = Annotated[Optional[int], typer.Option(
                    "(only the system message is kept).")]
 
 
+JsonSchema = Annotated[Optional[str], typer.Option(
+    "--json-schema", help="Structured output: the text must be JSON valid under the JSON schema in FILE "
+                          "(through llguidance's token masks; cut short only by --max-new-tokens).")]
+JsonObject = Annotated[bool, typer.Option(
+    "--json-object", help="Structured output: the text must be one JSON object (any keys). (--json prints the "
+                          "result as JSON; this constrains the text.)")]
+Regex = Annotated[Optional[str], typer.Option(
+    "--regex", help="Structured output: the text must match PATTERN as a whole (Rust regex syntax).")]
+Grammar = Annotated[Optional[str], typer.Option(
+    "--grammar", help="Structured output: the text must be in the language of the grammar in FILE: Lark "
+                      "(.lark) or GBNF (.gbnf, llama.cpp's; by extension, else by content).")]
+
+
 def check_speculation(draft: str | None, draft_tokens: int | None, lookup: bool, tp: int = 1) -> None:
     """--draft / --lookup / --draft-tokens: one line before anything loads."""
     from twice.core.errors import UsageError
@@ -236,3 +249,44 @@ def weights_choice(dequantize: bool, quantize: str | None) -> str | None:
         return canonical_mixture(quantize)
     except UsageError as e:
         raise UsageError(str(e).replace("--type", "--quantize", 1)) from None
+
+
+def constraint_spec(json_schema=None, json_object=False, regex=None, grammar=None, draft=None, lookup=False):
+    """--json-schema FILE / --json-object / --regex PATTERN / --grammar FILE as one
+    constraints.ConstraintSpec (None: free text), read and compiled before the model loads:
+    a missing file, bad JSON, an invalid or unsatisfiable schema, regex or grammar, two of
+    them at once, or one with speculative decoding: one line."""
+    given = [name for name, value in (("--json-schema", json_schema), ("--json-object", json_object or None),
+                                      ("--regex", regex), ("--grammar", grammar)) if value is not None]
+    if not given:
+        return None
+    from pathlib import Path
+
+    from twice.core import constraints as c
+    from twice.core.errors import UsageError
+    from twice.weights.files import read_limited
+
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} exclude each other (one constraint on the output)")
+    if draft is not None or lookup:
+        raise UsageError(f"{given[0]} does not work with {'--draft' if draft is not None else '--lookup'} "
+                         "(structured output decodes without speculation)")
+
+    def text_of(path: str) -> str:
+        raw = read_limited(Path(path), c.MAX_SPEC_BYTES, c.ConstraintError)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise c.ConstraintError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+    if json_schema is not None:
+        spec = c.json_schema(text_of(json_schema), json_schema)
+    elif json_object:
+        spec = c.ConstraintSpec("json_object", "", "--json-object")
+    elif regex is not None:
+        spec = c.ConstraintSpec("regex", regex, "--regex")
+    else:
+        text = text_of(grammar)
+        spec = c.ConstraintSpec(c.grammar_kind(text, grammar), text, grammar)
+    c.validate(spec)
+    return spec

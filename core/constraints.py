@@ -193,7 +193,7 @@ def lltokenizer(tokenizer, eos_ids=()):
     `tokenizer.hf`), built once and kept beside it."""
     import llguidance
 
-    eos = sorted(set(eos_ids)) or [tokenizer.eos_token_id or 0]
+    eos = sorted(set(eos_ids)) or [0]  # no EOS at all: a stand-in the masks never allow
     key = tuple(eos)
     per = _TOKENIZERS.setdefault(tokenizer, {})
     if key not in per:
@@ -207,8 +207,15 @@ def lltokenizer(tokenizer, eos_ids=()):
     return per[key]
 
 
-def build(engine, spec: ConstraintSpec) -> "Constraint":
-    """The constraint of one request on `engine`'s model (its tokenizer, vocabulary, EOS ids)."""
+def build(engine, spec: ConstraintSpec | None, *rest) -> "Constraint | None":
+    """The constraint of one request on `engine`'s model (its tokenizer, vocabulary, EOS
+    ids); None for no spec. Also takes `build(spec, tokenizer, vocab_size[, eos_ids])`
+    (then EOS is the tokenizer's own)."""
+    if isinstance(engine, ConstraintSpec) or engine is None:
+        spec, tokenizer, vocab_size, *eos = engine, spec, *rest
+        return None if spec is None else Constraint(spec, tokenizer, vocab_size, eos[0] if eos else None)
+    if spec is None:
+        return None
     return Constraint(spec, engine.tokenizer, engine.config.vocab_size, tuple(engine.eos), engine.device)
 
 
@@ -224,11 +231,13 @@ class Constraint:
     sampled; a caller that forces one) puts the matcher in error: `error` says why and
     the row is finished."""
 
-    def __init__(self, spec: ConstraintSpec, tokenizer, vocab_size: int, eos_ids=(), device="cpu"):
+    def __init__(self, spec: ConstraintSpec, tokenizer, vocab_size: int, eos_ids=None, device="cpu"):
         import llguidance
         import torch
 
         self.spec, self.vocab_size, self.device = spec, vocab_size, device
+        if eos_ids is None:  # the tokenizer's own EOS
+            eos_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
         self.tokenizer = lltokenizer(tokenizer, eos_ids)
         grammar = validate(spec)
         self.matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

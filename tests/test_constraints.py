@@ -182,3 +182,95 @@ def test_response_format_mapping():
 def test_speculative_decoding_with_a_constraint_is_refused(engine):
     with pytest.raises(c.ConstraintError, match="speculative"):
         run(engine, c.ConstraintSpec("regex", "a+"), lookup=True)
+
+
+# -- the CLI -----------------------------------------------------------------------------
+def generate(args, capsys, llama_dir):
+    return run_inprocess(["generate", "-m", llama_dir, "--temperature", "0", "--raw", "--json", *args], capsys)
+
+
+def test_generate_flags_give_valid_output(tmp_path, capsys, llama_dir):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    lark, gbnf, bare = tmp_path / "g.lark", tmp_path / "g.gbnf", tmp_path / "grammar.txt"
+    lark.write_text(LARK)
+    gbnf.write_text(GBNF)
+    bare.write_text(GBNF)  # no extension: GBNF by its `::=`
+    r = generate(["-n", "96", "--json-schema", str(schema), "Describe a person:"], capsys, llama_dir)
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    jsonschema.validate(json.loads(d["text"]), PERSON)
+    assert d["finish_reason"] == "stop" and d["settings"]["constraint"]["json_schema"] == PERSON
+    r = generate(["-n", "24", "--regex", r"[a-c]{3}x", "hello"], capsys, llama_dir)
+    assert r.code == 0 and re.fullmatch(r"[a-c]{3}x", json.loads(r.out)["text"])
+    r = generate(["-n", "64", "--json-object", "Hello"], capsys, llama_dir)
+    assert r.code == 0 and isinstance(json.loads(json.loads(r.out)["text"]), dict)
+    for path in (gbnf, bare):
+        r = generate(["-n", "16", "--grammar", str(path), "Is it?"], capsys, llama_dir)
+        d = json.loads(r.out)
+        assert r.code == 0 and re.fullmatch(r"(yes|no|maybe)\.", d["text"]) and d["settings"]["constraint"]["type"] == "gbnf"
+    r = generate(["-n", "64", "--grammar", str(lark), "Numbers"], capsys, llama_dir)
+    d = json.loads(r.out)
+    assert r.code == 0 and d["settings"]["constraint"]["type"] == "lark"
+    assert re.fullmatch(LARK_LANGUAGE if d["finish_reason"] == "stop" else r"\(([0-9]{1,3},)*[0-9]{0,3}", d["text"])
+    # plain text output (no --json) is the constrained text too
+    r = run_inprocess(["generate", "-m", llama_dir, "--temperature", "0", "--raw", "-n", "8", "--regex", "[0-9]{4}",
+                       "x"], capsys)
+    assert r.code == 0 and re.fullmatch(r"[0-9]{4}\n", r.out)
+
+
+@pytest.mark.parametrize("setup,words", [
+    (lambda p: ["--json-schema", str(p / "no-such.json")], "file not found"),
+    (lambda p: ["--json-schema", _write(p / "bad.json", "{nope")], "not valid JSON"),
+    (lambda p: ["--json-schema", _write(p / "never.json", '{"type": "integer", "minimum": 3, "maximum": 1}')],
+     "can never be satisfied"),
+    (lambda p: ["--json-schema", _write(p / "list.json", "[1]")], "must be an object"),
+    (lambda p: ["--json-schema", str(p)], "not a regular file"),
+    (lambda p: ["--regex", "(unclosed"], "--regex: invalid regex"),
+    (lambda p: ["--grammar", _write(p / "g.lark", "start: nowhere")], "invalid Lark grammar"),
+    (lambda p: ["--grammar", _write(p / "g.gbnf", "root ::= (")], "GBNF"),
+    (lambda p: ["--regex", "a", "--json-object"], "exclude each other"),
+    (lambda p: ["--regex", "a", "--lookup"], "does not work with --lookup"),
+])
+def test_generate_bad_constraints_are_one_line_before_the_model_loads(tmp_path, capsys, setup, words):
+    args = setup(tmp_path)
+    files = {f: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+    r = run_inprocess(["generate", "-m", str(tmp_path / "no-model-here"), *args, "hi"], capsys)
+    line = one_error_line(r)
+    assert words in line, line
+    assert all(f.read_bytes() == b for f, b in files.items())  # nothing touched
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_batch_constraints_run_wide_and_per_line(tmp_path, capsys, llama_dir):
+    lines = [{"id": "free", "prompt": "Hello there", "max_new_tokens": 6, "response_format": {"type": "text"}},
+             {"id": "regex", "prompt": "Count:"},
+             {"id": "person", "prompt": "Describe a person:", "max_new_tokens": 128,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+             {"id": "object", "prompt": "Hello", "max_new_tokens": 64, "response_format": {"type": "json_object"}},
+             {"id": "never", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+                 "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}},
+             {"id": "typo", "prompt": "x", "response_format": "json"}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = run_inprocess(["batch", str(src), "-o", str(out), "-m", llama_dir, "--temperature", "0", "--raw",
+                       "--regex", "[0-9]{1,3}(,[0-9]{1,3}){2}", "-n", "32", "-b", "3"], capsys)
+    assert r.code == 0, r.err
+    got = {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    assert set(got) == {"free", "regex", "person", "object"}
+    assert re.fullmatch(r"[0-9]{1,3}(,[0-9]{1,3}){2}", got["regex"]["completion"])
+    jsonschema.validate(json.loads(got["person"]["completion"]), PERSON)
+    assert isinstance(json.loads(got["object"]["completion"]), dict)
+    assert got["free"]["generated_tokens"] == 6 or got["free"]["finish_reason"] == "eos"
+    assert ":5:" in r.err and "never be satisfied" in r.err and ":6:" in r.err and "must be an object" in r.err
+
+
+def test_batch_bad_run_wide_constraint_is_one_line(tmp_path, capsys, llama_dir):
+    src = tmp_path / "in.txt"
+    src.write_text("a\nb\n")
+    r = run_inprocess(["batch", str(src), "-m", llama_dir, "--regex", "[z-a]"], capsys)
+    assert "invalid regex" in one_error_line(r) and src.read_text() == "a\nb\n"
