@@ -253,7 +253,6 @@ class Job:
     logprobs: int | None  # None: none; k: chosen + top k
     presence: float
     frequency: float
-    constraint: object | None = None
 
 
 class Parser:
@@ -336,12 +335,13 @@ class Parser:
             f.str("user", None, max_len=1 << 16)
             constraint = self._constraint(f)
             settings = GenerationSettings(max_new_tokens=max_tokens or base.max_new_tokens, sampling=sampling,
-                                          stop=stops, ignore_eos=ignore_eos, prefill_chunk=base.prefill_chunk)
+                                          stop=stops, ignore_eos=ignore_eos, prefill_chunk=base.prefill_chunk,
+                                          **({"constraint": constraint} if constraint is not None else {}))
         except ApiError:
             raise
         except TwiceError as e:
             raise ApiError(400, _strip_source(str(e)), code="invalid_value") from None
-        return Job(request, settings, stream, include_usage, logprobs, presence, frequency, constraint)
+        return Job(request, settings, stream, include_usage, logprobs, presence, frequency)
 
     def _chat_request(self, f):
         from twice.core.engine import Request
@@ -418,12 +418,10 @@ class Parser:
                            param="response_format", code="unsupported") from None
         from twice.core.errors import TwiceError
 
-        try:
-            spec = constraints.constraint_from_response_format(fmt)
-            build = getattr(constraints, "build", None) or getattr(constraints, "Constraint")
-            return build(spec, self.engine.tokenizer, self.engine.config.vocab_size)
+        try:  # the spec only: the scheduler's thread builds the matcher for the model (Scheduler.submit)
+            return constraints.constraint_from_response_format(fmt)
         except TwiceError as e:
-            raise ApiError(400, f"response_format: {e}", param="response_format", code="invalid_schema") from None
+            raise ApiError(400, str(e), param="response_format", code="invalid_schema") from None
 
 
 def _strip_source(message: str) -> str:
@@ -597,8 +595,7 @@ def create_app(state: State):
         def sink(event):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        future = state.worker.submit(job.request, job.settings, sink, constraint=job.constraint,
-                                     logprobs=job.logprobs, presence_penalty=job.presence,
+        future = state.worker.submit(job.request, job.settings, sink, logprobs=job.logprobs, presence_penalty=job.presence,
                                      frequency_penalty=job.frequency, submitted=arrived)
         try:
             seq_id = await asyncio.wrap_future(future)

@@ -171,6 +171,7 @@ class Scheduler:
                                         f"the model's context of {engine.context_length} tokens", row=seq_id,
                                         context=True))
         row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(), time.perf_counter() - t, 0)
+        row.constraint = constraint  # Engine._accept advances it and ends the row when it is complete
         sampler = Sampler([settings.sampling], [ids], engine.config.vocab_size, engine.device)
         seq = _Seq(seq_id, row, sampler, constraint, logprobs, float(presence_penalty), float(frequency_penalty), t)
         self.seqs[seq_id] = seq
@@ -486,17 +487,12 @@ class Scheduler:
 
     def _emit(self, seq: _Seq, token: int, step_seconds: float, events: list) -> None:
         engine = self.engine
-        if seq.constraint is not None:
-            seq.constraint.advance(token)
         if seq.presence or seq.frequency:
             if seq.counts is None:
                 seq.counts = torch.zeros(engine.config.vocab_size, dtype=torch.float32, device=engine.device)
             seq.counts[token] += 1
         now = time.perf_counter()
         text = engine._accept(seq.row, token, now, step_seconds)
-        if seq.constraint is not None and not seq.row.finish and _finished(seq.constraint):
-            seq.row.finish = "stop"
-            text += seq.row.stop.feed(seq.row.stream.finish())[0] + seq.row.stop.flush()
         lp, top = None, ()
         if seq.pending_logprobs is not None:
             row, top = seq.pending_logprobs
@@ -539,11 +535,6 @@ class Scheduler:
         self.retained.appendleft(_Retained(tokens, own))
         while len(self.retained) > self.retained_most:
             self.retained.pop()
-
-
-def _finished(constraint) -> bool:
-    done = getattr(constraint, "is_finished", False)
-    return bool(done() if callable(done) else done)
 
 
 def _apply_constraint(constraint, logits: torch.Tensor) -> torch.Tensor:
