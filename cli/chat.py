@@ -81,6 +81,7 @@ def chat(
     stats: o.Stats = False,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    kv_dtype: o.KvDtype = "auto",
     history: History = None,
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
@@ -101,6 +102,7 @@ def chat(
     check_text_arguments(system=system, stop=stop)
     weights = o.weights_choice(dequantize, quantize)
     o.check_speculation(draft, draft_tokens, lookup)
+    o.check_kv_dtype(kv_dtype)
     _check_shift_options(context_shift, keep)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
@@ -126,7 +128,7 @@ def chat(
             raise UsageError(why)
     larger = o.check_draft(loaded, drafted)
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile,
-                    draft=drafted.model if drafted is not None else None)
+                    draft=drafted.model if drafted is not None else None, kv_dtype=kv_dtype)
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
     session.context_shift, session.keep = context_shift, keep or 0
@@ -546,22 +548,22 @@ class ChatSession:
         except (OSError, ValueError) as e:
             self.error(f"cannot save to {path}: {os_message(e)}")
             return
-        kv = self._save_cache(path)
-        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}{kv}", "dim")
+        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}", "dim")
+        self._save_cache(path)
 
-    def _save_cache(self, path: Path) -> str:
-        """/save's KV sidecar (FILE.kv, a prompt-cache file): what to add to the saved line."""
+    def _save_cache(self, path: Path) -> None:
+        """/save's KV sidecar (FILE.kv, a prompt-cache file), said on a line of its own."""
         from . import prompt_cache as pc
 
         engine, side = self.engine, pc.sidecar(path)
         if engine.cache is None or not engine.cached_ids:
-            return ""
+            return
         use = pc.PromptCacheUse(file=str(side))
         pc.save(engine, use, len(engine.cached_ids))
         if use.not_saved is not None:
             self.say(f"note: the KV cache was not saved to {side}: {use.not_saved}", "yellow")
-            return ""
-        return f" and its KV cache ({use.saved_tokens} tokens) to {side}"
+            return
+        self.say(f"saved its KV cache ({use.saved_tokens} tokens) to {side}", "dim")
 
     def _file_text(self) -> str:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
@@ -583,10 +585,11 @@ class ChatSession:
         note = ""
         if model and model != self.loaded.name:
             note = f" (saved with {model}; continuing with {self.loaded.name})"
-        self.say(f"loaded {len(messages)} messages from {path}{note}{self._load_cache(path)}", "dim")
+        self.say(f"loaded {len(messages)} messages from {path}{note}", "dim")
+        self._load_cache(path)
 
-    def _load_cache(self, path: Path) -> str:
-        """/load's KV sidecar, if there is one: what to add to the loaded line."""
+    def _load_cache(self, path: Path) -> None:
+        """/load's KV sidecar, if there is one, said on a line of its own."""
         from . import prompt_cache as pc
 
         side = pc.sidecar(path)
@@ -594,7 +597,8 @@ class ChatSession:
         if use.refused is not None:
             self.say(f"note: the KV cache {side} not used ({use.refused}); the next turn prefills the conversation",
                      "yellow")
-        return f" and its KV cache ({use.loaded_tokens} tokens)" if use.loaded_tokens else ""
+        if use.loaded_tokens:
+            self.say(f"loaded its KV cache ({use.loaded_tokens} tokens) from {side}", "dim")
 
 
     def _check_template(self, system: str | None, messages: list[dict]) -> None:
