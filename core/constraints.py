@@ -233,7 +233,7 @@ class Constraint:
 
     def __init__(self, spec: ConstraintSpec, tokenizer, vocab_size: int, eos_ids=None, device="cpu"):
         import llguidance
-        import torch
+        import numpy
 
         self.spec, self.vocab_size, self.device = spec, vocab_size, device
         if eos_ids is None:  # the tokenizer's own EOS
@@ -244,8 +244,7 @@ class Constraint:
         if self.matcher.is_error():
             raise ConstraintError(f"{spec._where()}{_describe(spec, self.matcher.get_error())}")
         n = self.tokenizer.vocab_size
-        self._words = torch.zeros((n + 31) // 32, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._words = numpy.zeros((n + 31) // 32, dtype=numpy.uint32)  # llguidance writes its bitmask here
         self._n = min(n, vocab_size)
         self._no_eos = not eos_ids  # the model has no EOS: llguidance's stand-in id is never allowed
         self._eos_ids = list(self.tokenizer.eos_tokens)
@@ -254,24 +253,21 @@ class Constraint:
 
     def mask(self):
         """The tokens allowed next: bool [vocab_size] on the CPU (ids beyond the tokenizer's
-        vocabulary: False)."""
+        vocabulary: False). Unpacked with numpy, on one thread: torch's elementwise ops wake
+        its thread pool, which on a busy CPU costs milliseconds per op."""
+        import numpy
         import torch
 
-        m = self.matcher
-        w = self._words
-        m.unsafe_compute_mask_ptr(w.data_ptr(), w.numel() * 4)
-        bits = ((w.unsqueeze(1) >> self._shifts) & 1).reshape(-1)[: self._n].bool()
+        m, w = self.matcher, self._words
+        m.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
+        out = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
+        out[: self._n] = numpy.unpackbits(w.view(numpy.uint8), bitorder="little")[: self._n]
         if self._no_eos:
-            bits[self._eos_ids] = False
-        if self._n == self.vocab_size:
-            out = bits
-        else:
-            out = torch.zeros(self.vocab_size, dtype=torch.bool)
-            out[: self._n] = bits
+            out[[e for e in self._eos_ids if e < self.vocab_size]] = False
         if not out.any():  # an error state (never for a sound grammar): stop at once rather than sample garbage
             self.error = self.error or m.get_error() or "the grammar allows no token here"
             out[self._eos_ids[0] if self._eos_ids and self._eos_ids[0] < self.vocab_size else 0] = True
-        return out
+        return torch.from_numpy(out)
 
     allowed = mask
 
