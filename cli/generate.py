@@ -47,6 +47,7 @@ def generate(
     stats: o.Stats = False,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    kv_dtype: o.KvDtype = "auto",
     draft: o.DraftModel = None,
     draft_tokens: o.DraftTokens = None,
     lookup: o.Lookup = False,
@@ -65,6 +66,7 @@ def generate(
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate, threads)
     o.check_speculation(draft, draft_tokens, lookup, tp)
+    o.check_kv_dtype(kv_dtype)
     constraint = o.constraint_spec(json_schema, json_object, regex, grammar, draft, lookup)  # read and compiled now
     from .prompt_cache import check_options as check_prompt_cache
 
@@ -97,7 +99,7 @@ def generate(
 def _generate(text, model, revision, device, dtype, max_new_tokens, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, stop, system, chat, prefill_chunk, truncate, timing, compile, as_json,
               no_color, shard, quiet: bool, stats: bool = False, weights: str | None = None, constraint=None,
-              speculation=(None, None, False), prompt_cache=(None, False)) -> None:
+              speculation=(None, None, False), prompt_cache=(None, False), kv_dtype: str = "auto") -> None:
     """One request; `quiet` (a tensor-parallel rank other than 0) computes and prints nothing."""
     from twice.core.device import DTYPE_NAMES
     from twice.core.engine import Done, Engine, GenerationSettings, Notice, Request
@@ -136,7 +138,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile,
-                        draft=drafted.model if drafted is not None else None)
+                        draft=drafted.model if drafted is not None else None, kv_dtype=kv_dtype)
         if (compiled := o.compile_note(engine, compile)) is not None:
             note(compiled)
         result = None

@@ -19,14 +19,17 @@ def info(
     revision: o.Revision = None,
     dtype: o.Dtype = "auto",
     dequantize: o.Dequantize = False,
+    kv_dtype: o.KvDtype = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print the facts as one JSON object."),
     no_color: o.NoColor = False,
 ):
     """Architecture, size, context length and KV cache cost of a model."""
     from twice.weights.inspect import describe
 
+    o.check_kv_dtype(kv_dtype)
     facts = describe(model, revision, dtype, dequantize)
     facts["dtype_reason"] = _dtype_reason(dtype)
+    element = _kv_cost(facts, kv_dtype)
     if as_json:
         print(json.dumps(facts))
         return
@@ -35,7 +38,6 @@ def info(
     t = Table(show_header=False, title=facts["name"], title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    element = facts["kv_bytes_per_token"] // max(1, 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"])
     formula = f"2 · {facts['layers']} · {facts['kv_heads']} · {facts['head_dim']} · {element}"
     rows = [
         ("architecture", f"{facts['model_type']} ({facts['folder']})"),
@@ -53,7 +55,8 @@ def info(
         ("position encoding", _rope(facts["rope"])),
         ("sliding window", f"{facts['sliding_window']:,} tokens" if facts["sliding_window"] else "none"),
         ("KV cache per token",
-         f"{human_bytes(facts['kv_bytes_per_token'])}: 2 · L · H_kv · d · bytes = {formula} = {facts['kv_bytes_per_token']:,} B"),
+         f"{human_bytes(facts['kv_bytes_per_token'])}: 2 · L · H_kv · d · bytes = {formula} = {facts['kv_bytes_per_token']:,} B"
+         f" ({facts['kv_dtype']})"),
         ("KV cache at full context",
          f"{human_bytes(facts['kv_bytes_full_context'])} (per token × {facts['context_length']:,})"),
         ("chat template", "yes" if facts["chat_template"] else "no"),
@@ -62,6 +65,21 @@ def info(
     for k, v in rows:
         t.add_row(k, v)
     wide_console(stderr=False, min_width=INFO_WIDTH, no_color=no_color).print(t)
+
+
+def _kv_cost(facts: dict, kv_dtype: str) -> str:
+    """Set the KV facts for --kv-dtype (kv_dtype, kv_bytes_per_token, kv_bytes_full_context, the
+    cache's real bytes: q8_0 34 per 32 values); returns the bytes per element as the formula
+    shows them ("2", "34/32")."""
+    from twice.core.cache import kv_format
+    from twice.core.device import DTYPES
+
+    fmt = kv_format(kv_dtype, DTYPES.get(facts["dtype"]), facts["head_dim"])
+    per_token = 2 * facts["layers"] * facts["kv_heads"] * fmt.bytes_per_values(facts["head_dim"])
+    facts.update(kv_dtype=fmt.name, kv_bytes_per_token=per_token,
+                 kv_bytes_full_context=per_token * facts["context_length"])
+    b = fmt.bytes_per_values(fmt.block)
+    return str(b) if fmt.block == 1 else f"{b}/{fmt.block}"
 
 
 def _weights(facts: dict) -> str:

@@ -89,6 +89,20 @@ Grammar = Annotated[Optional[str], typer.Option(
     "--grammar", help="Structured output: the text must be in the language of the grammar in FILE: Lark "
                       "(.lark) or GBNF (.gbnf, llama.cpp's; by extension, else by content).")]
 
+KvDtype = Annotated[str, typer.Option(
+    "--kv-dtype", help="The KV cache's element type: auto (the model's dtype), float32, bfloat16, float16, q8_0 "
+                       "(34 bytes per 32 values: 0.53 of bf16) or q4_0 (18 per 32). Quantized caches store GGUF's "
+                       "Q8_0/Q4_0 blocks along the head dimension (a multiple of 32), written once per token and "
+                       "read as stored by the native decode step.")]
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    """An unknown --kv-dtype name: one line, before the model loads (the head size is checked
+    when the engine is built)."""
+    from twice.core.cache import kv_format
+
+    kv_format(kv_dtype, None)
+
 
 def check_speculation(draft: str | None, draft_tokens: int | None, lookup: bool, tp: int = 1) -> None:
     """--draft / --lookup / --draft-tokens: one line before anything loads."""

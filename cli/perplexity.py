@@ -34,6 +34,7 @@ def perplexity(
     dequantize: o.Dequantize = False,
     quantize: o.Quantize = None,
     threads: o.Threads = None,
+    kv_dtype: o.KvDtype = "auto",
     context: int = typer.Option(None, "--context", help=f"Tokens per window (at least 2). Default {DEFAULT_CONTEXT}, "
                                 "or the model's context where that is shorter.", show_default=False),
     max_tokens: int = typer.Option(None, "--max-tokens", help="Score only the text's first N tokens (at least 2).",
@@ -45,6 +46,7 @@ def perplexity(
     """Perplexity of TEXT_FILE under the model: exp(mean negative log-likelihood of its tokens),
     in windows of --context tokens that do not overlap, each scored on its own."""
     _check_flags(context, max_tokens, threads)
+    o.check_kv_dtype(kv_dtype)
     weights = o.weights_choice(dequantize, quantize)
     if no_color:
         from .console import COLOR
@@ -59,19 +61,23 @@ def perplexity(
     bar = _Bar(enabled=_isatty(sys.stderr))
     with bar:
         loaded = _load(bar, model, revision, device, dtype, weights)
+        from twice.core.cache import kv_format
+
+        kv = kv_format(kv_dtype, loaded.dtype, loaded.config.head_dim)  # a head size it cannot hold: one line
         prefix = ppl.bos_prefix(loaded.tokenizer)
         window = ppl.choose_context(context, loaded.config.max_position_embeddings, len(prefix))
         bar.phase("tokenizing the text")
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
         result = None
         for event in ppl.score(loaded.model, ids, window, prefix, max_tokens, dtype=loaded.dtype,
-                               device=loaded.device):
+                               device=loaded.device, kv_dtype=kv_dtype):
             if isinstance(event, ppl.PerplexityResult):
                 result = event
             else:
                 bar.window(event)
     payload = json_payload(result, loaded, text_file, max_tokens, DTYPE_NAMES.get(loaded.dtype, str(loaded.dtype)),
                            ppl.weight_summary(loaded.model))
+    payload["kv_dtype"] = kv.name
     out = sys.stdout
     if as_json:
         out.write(json.dumps(payload) + "\n")
@@ -148,7 +154,9 @@ def result_text(p: dict) -> str:
     windows = "1 window" if p["windows"] == 1 else f"{p['windows']:,} windows"
     lines = [
         f"perplexity {p['perplexity']:.4f} over {p['tokens']:,} tokens in {windows} of {p['context']:,} "
-        f"({p['model']}, {p['device']} {p['dtype']}; {p['tokens_per_second']:,.0f} tok/s)",
+        f"({p['model']}, {p['device']} {p['dtype']}"
+        + (f", KV cache {p['kv_dtype']}" if p.get("kv_dtype") not in (None, p["dtype"]) else "")
+        + f"; {p['tokens_per_second']:,.0f} tok/s)",
         f"= exp(mean negative log-likelihood, {p['mean_nll']:.4f} nats) of every token of the text{cut}{first}, "
         f"given the tokens before it in its window: the text encoded once without special tokens, cut into windows "
         f"of {p['context']:,} tokens that do not overlap, each scored on its own with {bos}",

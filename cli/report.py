@@ -131,6 +131,8 @@ def timing_table(result, loaded) -> Table:
     speculation_rows(t, getattr(r, "speculation", None))
     L, H, d = c.num_hidden_layers, loaded.model.kv_heads, c.head_dim  # kv heads in this rank's cache
     e = r.cache.bytes_per_token // (2 * L * H * d)
+    if getattr(r.cache, "element_bytes", (0, 1))[0]:  # the real bytes per element: 34/32 for a q8_0 cache
+        e = r.cache.element_words
     b, n = r.cache.batch, r.cache.tokens
     formula = f"2 · {L} · {b} · {n} · {H} · {d} · {e}"
     t.add_row("KV cache", "in use", human_bytes(r.cache.bytes_in_use),
@@ -138,7 +140,8 @@ def timing_table(result, loaded) -> Table:
     t.add_row("", "allocated", human_bytes(r.cache.bytes_allocated),
               f"preallocated for N = {r.cache.capacity:,} tokens: 2 · {L} · {b} · {r.cache.capacity} · {H} · {d} · {e}")
     t.add_row("", "per token", human_bytes(r.cache.bytes_per_token),
-              f"2 · L · H_kv · d · bytes = 2 · {L} · {H} · {d} · {e} = {r.cache.bytes_per_token:,} B")
+              f"2 · L · H_kv · d · bytes = 2 · {L} · {H} · {d} · {e} = {r.cache.bytes_per_token:,} B"
+              + (f" ({r.cache.kv_dtype})" if getattr(r.cache, "kv_dtype", "") else ""))
     t.add_row("", "at full context", human_bytes(r.cache.bytes_full_context),
               f"one sequence of the model's {r.cache.context_length:,} tokens: per token × {r.cache.context_length:,}")
     where = "torch.cuda.max_memory_allocated" if r.device.startswith("cuda") else "peak process RSS"

@@ -6,16 +6,99 @@ columns [0, start[b]) and its tokens from start[b] on, so a decode step writes e
 at the same column (one static-shape slice write, no per-row scatter). Grouped-query
 attention reads the kv_heads as stored; nothing is repeated per query head.
 
-Bytes: 2 · layers · batch · tokens · kv_heads · head_dim · element size, where tokens is
-`capacity` for what is allocated and `length` (columns filled) for what is in use.
+The element type (`--kv-dtype`, `kv_dtype`): "auto" (the model's dtype), float32, bfloat16,
+float16, or a block type, q8_0 / q4_0. A quantized cache stores each token's head vector of
+head_dim values as head_dim / 32 blocks of GGUF's Q8_0 (34 bytes per 32 values: an fp16 scale
+d, 32 int8 q; x = d·q) or Q4_0 (18 bytes: fp16 d, 16 bytes of 4-bit q, values 0..15 in the low
+nibbles, 16..31 in the high ones; x = d·(q − 8)), so K and V are uint8 tensors [layers, batch,
+kv_heads, capacity, head_dim / 32 · 34 (or 18)]: a token's column is still one slice along the
+capacity axis (copies between caches, keep_rows, grow and truncate are as for a float cache).
+The blocks are core/quant's Q8_0/Q4_0 codecs bit for bit (llama.cpp's reference quantizers;
+kernels/decode.c quantizes the native step's new keys/values with the same arithmetic). Each
+token is quantized once, when it is written; the native decode step reads the blocks as stored
+(int8/int4 keys dotted with the query, values accumulated from the blocks); the eager layers get
+a dequantized copy of the columns in use from `write` (in the model's dtype). head_dim must be a
+multiple of 32 (KVDtypeError otherwise).
+
+Bytes: 2 · layers · batch · tokens · kv_heads · head_dim · bytes per element (float32 4,
+bfloat16/float16 2, q8_0 34/32, q4_0 18/32), where tokens is `capacity` for what is allocated
+and `length` (columns filled) for what is in use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .config import ModelConfig
+from .errors import TwiceError
 from .hugepages import zeros
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4_0")
+_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVDtypeError(TwiceError):
+    """A --kv-dtype this model's cache cannot use (an unknown name, a head size the block
+    layout cannot hold)."""
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What one cached value costs: `name` as --kv-dtype says it; float caches store
+    `dtype`, block caches `block` values in `block_bytes` bytes (ggml type `ggml_type`)."""
+
+    name: str
+    dtype: torch.dtype | None = None  # float caches
+    block: int = 1
+    block_bytes: int = 0
+    ggml_type: int = -1  # 8 Q8_0, 2 Q4_0; -1 a float cache
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype is None
+
+    def bytes_per_values(self, n: int) -> int:
+        """Bytes of n values (n whole blocks for a block type)."""
+        if self.quantized:
+            return n // self.block * self.block_bytes
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_element(self) -> float:
+        """34/32 for q8_0, 18/32 for q4_0, the element size of a float type."""
+        return self.bytes_per_values(self.block) / self.block
+
+    @property
+    def codec(self):
+        from . import quant  # only block caches need the codecs
+
+        return quant.CODECS[self.name.upper()]
+
+
+BLOCK_FORMATS = {"q8_0": KVFormat("q8_0", block=32, block_bytes=34, ggml_type=8),
+                 "q4_0": KVFormat("q4_0", block=32, block_bytes=18, ggml_type=2)}
+
+
+def kv_format(kv_dtype: str | torch.dtype | None, dtype: torch.dtype, head_dim: int | None = None) -> KVFormat:
+    """The format --kv-dtype `kv_dtype` gives a model computing in `dtype` ("auto"/None: that
+    dtype); KVDtypeError (one line) for an unknown name or a head size that is not whole blocks."""
+    if isinstance(kv_dtype, torch.dtype):
+        dtype, kv_dtype = kv_dtype, None
+    if kv_dtype in (None, "auto"):
+        from .device import DTYPE_NAMES
+
+        return KVFormat(DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")), dtype=dtype)
+    if kv_dtype in _FLOATS:
+        return KVFormat(kv_dtype, dtype=_FLOATS[kv_dtype])
+    f = BLOCK_FORMATS.get(kv_dtype)
+    if f is None:
+        raise KVDtypeError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if head_dim is not None and head_dim % f.block:
+        raise KVDtypeError(f"--kv-dtype {kv_dtype} needs a head size that is a multiple of {f.block}, "
+                           f"this model's is {head_dim}")
+    return f
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -36,28 +119,39 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_heads: int | None = None,
+        kv_dtype: str | None = None,
     ):
         self.num_layers = config.num_hidden_layers
         self.kv_heads = kv_heads if kv_heads is not None else config.num_key_value_heads
         self.head_dim = config.head_dim
         self.batch = batch
         self.capacity = capacity
-        shape = (self.num_layers, batch, self.kv_heads, capacity, self.head_dim)
-        self.k = _zeros(shape, dtype, device)
-        self.v = _zeros(shape, dtype, device)
+        self.dtype = dtype  # the model's: what `write` takes and returns
+        self.format = kv_format(kv_dtype, dtype, self.head_dim)
+        self.kv_dtype = self.format.name  # as --kv-dtype says it (float32, bfloat16, q8_0, ...)
+        self.quantized = self.format.quantized
+        shape = self._shape(batch, capacity)
+        storage = torch.uint8 if self.quantized else self.format.dtype
+        self.k = _zeros(shape, storage, device)
+        self.v = _zeros(shape, storage, device)
         self.length = 0  # columns [0, length) hold keys/values
         # First real column of each row (left padding before it); None = no padding.
         self.starts: torch.Tensor | None = None
 
+    def _shape(self, batch: int, capacity: int) -> tuple[int, ...]:
+        last = self.format.bytes_per_values(self.head_dim) if self.quantized else self.head_dim
+        return (self.num_layers, batch, self.kv_heads, capacity, last)
+
     # -- sizes -------------------------------------------------------------------------
     @property
-    def element_size(self) -> int:
-        return self.k.element_size()
+    def element_size(self) -> float:
+        """Bytes per cached value: 4, 2, or a block type's 34/32 (q8_0), 18/32 (q4_0)."""
+        return self.format.bytes_per_element
 
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in one row, over all layers."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.element_size
+        return 2 * self.num_layers * self.kv_heads * self.format.bytes_per_values(self.head_dim)
 
     @property
     def bytes_allocated(self) -> int:
@@ -67,14 +161,56 @@ class KVCache:
     def bytes_in_use(self) -> int:
         return self.bytes_per_token * self.batch * self.length
 
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as stored (prompt caches): K and V, float or blocks."""
+        return {"k": self.k, "v": self.v}
+
+    # -- the block codec -----------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Values [..., head_dim] → what the cache stores for them ([..., bytes] of blocks for
+        a quantized cache, the cache's float dtype otherwise)."""
+        if not self.quantized:
+            return x.to(self.k.dtype)
+        lead = x.shape[:-1]
+        blocks = x.detach().to(torch.float32).reshape(-1, self.format.block)
+        out = self.format.codec.quantize_blocks(blocks)
+        return out.reshape(*lead, self.k.shape[-1])
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What the cache stores ([..., bytes] of blocks, or floats) → values [..., head_dim] in
+        `dtype` (float32 by default for blocks; the stored dtype for a float cache)."""
+        if not self.quantized:
+            return stored if dtype is None else stored.to(dtype)
+        lead = stored.shape[:-1]
+        values = self.format.codec.dequantize_blocks(stored.reshape(-1, self.format.block_bytes))
+        values = values.reshape(*lead, self.head_dim)
+        return values if dtype is None else values.to(dtype)
+
     # -- writes ------------------------------------------------------------------------
     def write(self, layer: int, column: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, D] at columns [column, column+T) of `layer` and
-        return views of all keys/values [B, kv_heads, column+T, D] for attention."""
+        return views of all keys/values [B, kv_heads, column+T, D] for attention (a quantized
+        cache, or a float one of another dtype than k's: a copy of those columns in k's dtype)."""
         end = column + k.shape[2]
-        self.k[layer, :, :, column:end] = k
-        self.v[layer, :, :, column:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer, :, :, column:end] = self.encode(k)
+        self.v[layer, :, :, column:end] = self.encode(v)
+        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if self.quantized or keys.dtype != k.dtype:
+            return self.decode(keys, k.dtype), self.decode(values, v.dtype)
+        return keys, values
+
+    def read(self, layer: int, row: int, start: int, end: int,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [kv_heads, end - start, D] of one row's columns, as values in `dtype`."""
+        return (self.decode(self.k[layer, row, :, start:end], dtype),
+                self.decode(self.v[layer, row, :, start:end], dtype))
+
+    def put(self, layer: int, row: int, column: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store values k, v [kv_heads, T, D] at one row's columns [column, column+T) (encoded as
+        the cache stores them): the inverse of `read` (context shift re-rotates keys this way)."""
+        end = column + k.shape[1]
+        self.k[layer, row, :, column:end] = self.encode(k)
+        self.v[layer, row, :, column:end] = self.encode(v)
 
     def truncate(self, length: int) -> None:
         """Forget columns from `length` on (they are overwritten by the next writes)."""
@@ -95,7 +231,7 @@ class KVCache:
         """Reallocate to a larger capacity, keeping the filled columns (chat sessions)."""
         if capacity <= self.capacity:
             return
-        shape = (self.num_layers, self.batch, self.kv_heads, capacity, self.head_dim)
+        shape = self._shape(self.batch, capacity)
         k = _zeros(shape, self.k.dtype, self.k.device)
         v = _zeros(shape, self.v.dtype, self.v.device)
         k[:, :, :, : self.length] = self.k[:, :, :, : self.length]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, kv_format
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
 from .errors import DeviceError, PromptError, TwiceError
 from .fastpath import CompiledDecoder, bucketed
@@ -81,6 +81,19 @@ class CacheStats:
     capacity: int  # columns allocated
     batch: int
     context_length: int
+    kv_dtype: str = ""  # the cache's element type as --kv-dtype names it (float32, bfloat16, q8_0, ...)
+    element_bytes: tuple[int, int] = (0, 1)  # bytes per values: (34, 32) for q8_0, (2, 1) for bfloat16
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Real bytes per cached value (q8_0: 34/32 = 1.0625)."""
+        return self.element_bytes[0] / self.element_bytes[1]
+
+    @property
+    def element_words(self) -> str:
+        """The bytes per element as the formulas show it: "2", or "34/32" for q8_0."""
+        b, n = self.element_bytes
+        return str(b) if n == 1 else f"{b}/{n}"
 
     @property
     def bytes_full_context(self) -> int:
@@ -198,6 +211,8 @@ class GenerationResult:
                 "tokens": self.cache.tokens,
                 "capacity": self.cache.capacity,
                 "batch": self.cache.batch,
+                "kv_dtype": self.cache.kv_dtype,
+                "bytes_per_element": self.cache.bytes_per_element,
             },
             "peak_memory_bytes": self.peak_memory_bytes,
             "weight_bytes": self.weight_bytes,
@@ -244,6 +259,11 @@ class _Row:
         self.constraint = None  # constraints.Constraint of a structured-output row
 
 
+def _element_bytes(fmt) -> tuple[int, int]:
+    """(bytes, values) of one block of a cache format: (34, 32) q8_0, (2, 1) bfloat16."""
+    return (fmt.bytes_per_values(fmt.block), fmt.block)
+
+
 def _dropped(tokens: int, chars: int) -> str:
     """What truncate="left" dropped, for its notice."""
     if not chars:
@@ -261,7 +281,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
-                 compile: bool = False, native: bool = True, draft: CausalLM | None = None):
+                 compile: bool = False, native: bool = True, draft: CausalLM | None = None,
+                 kv_dtype: str | None = None):
         self.model = model
         # A draft model for speculative decoding (speculative.Draft: its own KV cache).
         self.draft = speculative.Draft(draft, native=native) if draft is not None else None
@@ -281,6 +302,9 @@ class Engine:
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.eos = frozenset(eos_token_ids)
+        # The KV cache's element type (--kv-dtype; cache.py): checked here, in one line.
+        self.kv_format = kv_format(kv_dtype, self.dtype, self.config.head_dim)
+        self.kv_dtype = None if kv_dtype in (None, "auto") else kv_dtype
         self.context_length = self.config.max_position_embeddings
         self.weight_bytes = model.weight_bytes()
         self.active_weight_bytes = model.active_weight_bytes()
@@ -303,11 +327,13 @@ class Engine:
     def cache_stats(self, cache: KVCache | None = None) -> CacheStats:
         cache = cache or self.cache
         if cache is None:
-            element = torch.empty((), dtype=self.dtype).element_size()
-            per_token = self.config.kv_bytes_per_token(element) // self.model.shard.world
-            return CacheStats(per_token, 0, 0, 0, 0, 0, self.context_length)
+            per_value = self.kv_format.bytes_per_values(self.config.head_dim)  # K or V of one head
+            per_token = 2 * self.config.num_hidden_layers * self.config.num_key_value_heads * per_value
+            per_token //= self.model.shard.world
+            return CacheStats(per_token, 0, 0, 0, 0, 0, self.context_length, self.kv_format.name,
+                              _element_bytes(self.kv_format))
         return CacheStats(cache.bytes_per_token, cache.bytes_in_use, cache.bytes_allocated, cache.length,
-                          cache.capacity, cache.batch, self.context_length)
+                          cache.capacity, cache.batch, self.context_length, cache.kv_dtype, _element_bytes(cache.format))
 
     def generate(self, request: Request, settings: GenerationSettings, reuse_cache: bool = True) -> Iterator[Event]:
         """Generate for one prompt; reuse the cached prefix shared with the previous call."""
@@ -329,7 +355,7 @@ class Engine:
         if self.cache is None or not reuse_cache:
             self.cache = None
             self.cache = KVCache(self.config, 1, self._capacity(needed), self.dtype, self.device,
-                                 kv_heads=self.model.kv_heads)
+                                 kv_heads=self.model.kv_heads, kv_dtype=self.kv_dtype)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
         compile_seconds = yield from self._warm(self.cache)
@@ -398,7 +424,8 @@ class Engine:
                              f"to fit the model's context of {self.context_length} tokens", row=row.index, context=True)
         width = max(len(r.ids) for r in rows)
         capacity = self._capacity(width + max(r.max_new for r in rows) - 1, session=False)
-        cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device, kv_heads=self.model.kv_heads)
+        cache = KVCache(self.config, len(rows), capacity, self.dtype, self.device, kv_heads=self.model.kv_heads,
+                        kv_dtype=self.kv_dtype)
         pad = [width - len(r.ids) for r in rows]
         if any(pad):
             cache.starts = torch.tensor(pad, device=self.device)
@@ -442,7 +469,8 @@ class Engine:
         an AVX2 CPU, 1 thread: 1.5× the padded pass in float32, 2.2 s against 1.5 s; the same
         in bf16); decode, where a batch's time goes, stays batched."""
         width = max(map(len, prompts))  # the batch cache is empty; row i starts at width - len
-        own = KVCache(self.config, 1, width, self.dtype, self.device, kv_heads=self.model.kv_heads)
+        own = KVCache(self.config, 1, width, self.dtype, self.device, kv_heads=self.model.kv_heads,
+                      kv_dtype=self.kv_dtype)
         last = []
         for i, (ids, s) in enumerate(zip(prompts, settings)):
             own.truncate(0)

@@ -159,6 +159,8 @@ class CompiledDecoder:
         self.compile_seconds = 0.0
 
     def supports(self, cache: KVCache) -> bool:
+        if getattr(cache, "quantized", False) or cache.k.dtype != getattr(cache, "dtype", cache.k.dtype):
+            return False  # blocks, or another float dtype than the model's (--kv-dtype): eager
         return (cache.batch == 1 or not self.cpu) and cache.capacity % CAPACITY_BUCKET == 0
 
     def _key(self, cache: KVCache) -> tuple:

@@ -31,7 +31,13 @@ class _Dims(ctypes.Structure):
         ("cos_local", ctypes.c_void_p), ("sin_local", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in ("block", "norm", "act", "qk_full", "rot")] + [
         (name, ctypes.c_float) for name in ("attn_cap", "final_cap", "embed_scale", "pad_")] + [
-        (name, ctypes.c_int64) for name in ("experts", "top_k", "moe_inter", "renorm", "float_weights")]
+        (name, ctypes.c_int64) for name in ("experts", "top_k", "moe_inter", "renorm", "float_weights")] + [
+        ("kv_type", ctypes.c_int64)]  # the cache's blocks (KV_TYPES), set per call; 0: the model dtype
+
+
+# The block caches decode.c reads as stored (core/cache.py's layout), by --kv-dtype name →
+# ggml type id (decode.c's Dims.kv_type); a float cache must be in the model's dtype.
+KV_TYPES = {"q8_0": 8, "q4_0": 2}
 
 
 BLOCKS = {"block:llama": 0, "block:sandwich": 1, "block:post_norm": 2}
@@ -282,7 +288,13 @@ class NativeDecoder:
         self.embed = _describe(model.embed_tokens.weight)
 
     def supports(self, cache: KVCache) -> bool:
-        return cache.k.dtype == self.dtype and cache.k.is_contiguous() and cache.v.is_contiguous()
+        """The cache is one decode.c reads: the model's dtype, or blocks of a KV_TYPES type
+        (anything else decodes eagerly)."""
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            return False
+        if getattr(cache, "quantized", False):
+            return cache.kv_dtype in KV_TYPES and cache.dtype == self.dtype and cache.head_dim % 32 == 0
+        return cache.k.dtype == self.dtype
 
     def is_warm(self, cache: KVCache) -> bool:
         return True
@@ -306,6 +318,7 @@ class NativeDecoder:
             local = self.model.rope_local
             local.ensure(column + 1)
             self.dims.cos_local, self.dims.sin_local = local.cos.data_ptr(), local.sin.data_ptr()
+        self.dims.kv_type = KV_TYPES[cache.kv_dtype] if getattr(cache, "quantized", False) else 0
         logits = torch.empty(rows, self.dims.vocab, dtype=torch.float32)
         status = self.lib.decode_step(
             ctypes.byref(self.dims), self.layers, self.final_norm, ctypes.byref(self.head), ctypes.byref(self.embed),

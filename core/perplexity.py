@@ -122,10 +122,11 @@ def choose_context(context: int | None, model_context: int, prefix: int) -> int:
 
 
 def score(model, ids: Sequence[int], context: int, prefix: Sequence[int] = (), max_tokens: int | None = None,
-          dtype=None, device=None) -> Iterator[WindowScored | PerplexityResult]:
+          dtype=None, device=None, kv_dtype: str | None = None) -> Iterator[WindowScored | PerplexityResult]:
     """Score `ids` (the text's tokens) window by window; yields a WindowScored per window
     and the PerplexityResult last. `dtype`/`device`: the cache's (default: the model's
-    first parameter's)."""
+    first parameter's); `kv_dtype` the cache's element type (core/cache.py: q8_0 scores with a
+    quantized cache)."""
     check_settings(context=context, max_tokens=max_tokens)
     prefix = tuple(int(i) for i in prefix)
     if context + len(prefix) > model.config.max_position_embeddings:
@@ -146,7 +147,7 @@ def score(model, ids: Sequence[int], context: int, prefix: Sequence[int] = (), m
     scored, total, per_window = 0, 0.0, []
     start = time.perf_counter()
     for k, (a, b) in enumerate(spans, 1):
-        nll, n = _window_nll(model, list(prefix) + used[a:b], len(prefix), dtype, device)
+        nll, n = _window_nll(model, list(prefix) + used[a:b], len(prefix), dtype, device, kv_dtype)
         scored += n
         total += nll
         per_window.append(nll)
@@ -159,7 +160,7 @@ def score(model, ids: Sequence[int], context: int, prefix: Sequence[int] = (), m
                            seconds, tuple(per_window))
 
 
-def _window_nll(model, seq: list[int], prefix: int, dtype, device) -> tuple[float, int]:
+def _window_nll(model, seq: list[int], prefix: int, dtype, device, kv_dtype=None) -> tuple[float, int]:
     """The sum (float64) of -log p(token | tokens before it in `seq`) over the scored tokens,
     and how many they are, in a fresh cache. Position i's logits predict token i + 1."""
     import torch
@@ -170,7 +171,7 @@ def _window_nll(model, seq: list[int], prefix: int, dtype, device) -> tuple[floa
     with torch.inference_mode():
         x = torch.tensor([seq], dtype=torch.long, device=device)
         try:
-            cache = KVCache(model.config, 1, len(seq), dtype, device, kv_heads=model.kv_heads)
+            cache = KVCache(model.config, 1, len(seq), dtype, device, kv_heads=model.kv_heads, kv_dtype=kv_dtype)
             logits = model(x, cache, all_logits=True)[0]  # [T, V]
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
             # On the CPU torch reports a failed allocation as a plain RuntimeError.

@@ -286,7 +286,8 @@ class Scheduler:
     def _start_prefill(self, seq: _Seq) -> None:
         engine, ids = self.engine, seq.row.ids
         seq.state = "prefill"
-        seq.own = KVCache(engine.config, 1, len(ids), engine.dtype, engine.device, kv_heads=engine.model.kv_heads)
+        seq.own = KVCache(engine.config, 1, len(ids), engine.dtype, engine.device, kv_heads=engine.model.kv_heads,
+                          kv_dtype=engine.kv_dtype)
         if not self.prefix_reuse:
             return
         best, source = 0, None
@@ -394,7 +395,8 @@ class Scheduler:
         need = max(self._remaining(s) for _, s in keep + [(None, j) for j in joining])
         capacity = length + max(need, 1)
         capacity = -(-capacity // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
-        cache = KVCache(engine.config, rows, capacity, engine.dtype, engine.device, kv_heads=engine.model.kv_heads)
+        cache = KVCache(engine.config, rows, capacity, engine.dtype, engine.device, kv_heads=engine.model.kv_heads,
+                        kv_dtype=engine.kv_dtype)
         cache.starts = torch.zeros(rows, dtype=torch.int64, device=engine.device)
         cache.length = length
         shift = length - span - lo  # old column c goes to c + shift
@@ -528,7 +530,8 @@ class Scheduler:
             return
         engine, start = self.engine, self._start(seq.slot)
         n = len(tokens)
-        own = KVCache(engine.config, 1, n, engine.dtype, engine.device, kv_heads=engine.model.kv_heads)
+        own = KVCache(engine.config, 1, n, engine.dtype, engine.device, kv_heads=engine.model.kv_heads,
+                      kv_dtype=engine.kv_dtype)
         own.k[:, 0, :, :n] = self.cache.k[:, seq.slot, :, start:start + n]
         own.v[:, 0, :, :n] = self.cache.v[:, seq.slot, :, start:start + n]
         own.length = n

@@ -60,7 +60,12 @@ typedef struct {
      * router's float32 softmax, renormalized if `renorm`, the weights cast to the model dtype
      * unless `float_weights` (experts.py). */
     int64_t experts, top_k, moe_inter, renorm, float_weights;
+    /* The KV cache's element type (core/cache.py): 0 the model dtype; KV_Q8_0 / KV_Q4_0 (ggml type
+     * ids) blocks of 32 values along head_dim, GGUF's layout: each token's head vector is D / 32
+     * blocks of fp16 d + 32 int8 (34 bytes) or fp16 d + 16 bytes of nibbles (18 bytes). */
+    int64_t kv_type;
 } Dims;
+enum { KV_FLOAT = 0, KV_Q4_0 = 2, KV_Q8_0 = 8 };
 
 /* A matrix as its stored parts, top to bottom (native_decode.py, qweight.BlockWeight): each
  * `rows` output rows of ggml type `type`. A float weight in the model dtype is one part of
@@ -187,10 +192,138 @@ static Weight sub_weight(const Dims *d, const Weight *w, int64_t lo, int64_t hi,
     return out;
 }
 
+/* Bytes of one token's head vector in the cache. */
+static inline int64_t kv_token_bytes(const Dims *d) {
+    const int64_t D = d->head_dim;
+    if (d->kv_type == KV_Q8_0) return D / 32 * 34;
+    if (d->kv_type == KV_Q4_0) return D / 32 * 18;
+    return D * (d->bf16 ? 2 : 4);
+}
+
+/* fp16 ⇄ float32 (round to nearest even; subnormals, infinities as IEEE). */
+static inline float kv_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t u;
+    float f;
+    if (exp == 0) { f = (float)mant * 5.9604644775390625e-8f; memcpy(&u, &f, 4); u |= sign; }
+    else if (exp == 31) u = sign | 0x7f800000u | (mant << 13);
+    else u = sign | ((exp + 112) << 23) | (mant << 13);
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void kv_put_f16(uint8_t *p, float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
+    uint16_t h;
+    if (ax >= 0x7f800000u) h = (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+    else if (ax >= 0x477ff000u) h = (uint16_t)(sign | 0x7c00); /* rounds past 65504 */
+    else if (ax < 0x38800000u) { /* below 2^-14: a subnormal, mant = round(|f| · 2^24), exact scaling */
+        float a;
+        memcpy(&a, &ax, 4);
+        h = (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    } else {
+        uint32_t v = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
+        const uint32_t rest = ax & 0x1fffu;
+        if (rest > 0x1000u || (rest == 0x1000u && (v & 1))) v++;
+        h = (uint16_t)(sign | v);
+    }
+    memcpy(p, &h, 2);
+}
+
+/* Keeps the compiler from fusing a product into the following add (the reference rounds it). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define KV_NOFUSE(v) __asm__("" : "+x"(v))
+#else
+#define KV_NOFUSE(v) do { volatile float nofuse_ = (v); (v) = nofuse_; } while (0)
+#endif
+
+/* n values (whole blocks of 32) → blocks, as llama.cpp's quantize_row_q8_0_ref / _q4_0_ref
+ * (and core/quant/legacy.py) compute them, bit for bit. */
+static void kv_quantize(const Dims *d, const float *x, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, x += 32) {
+        if (d->kv_type == KV_Q8_0) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); if (a > amax) amax = a; }
+            const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            kv_put_f16(out, dd);
+            for (int j = 0; j < 32; j++) ((int8_t *)out)[2 + j] = (int8_t)roundf(x[j] * id);
+            out += 34;
+        } else {
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < 32; j++) if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+            const float dd = max / -8.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            kv_put_f16(out, dd);
+            for (int j = 0; j < 16; j++) {
+                float x0 = x[j] * id, x1 = x[16 + j] * id;
+                KV_NOFUSE(x0);
+                KV_NOFUSE(x1);
+                int q0 = (int8_t)(x0 + 8.5f), q1 = (int8_t)(x1 + 8.5f);
+                if (q0 > 15) q0 = 15;
+                if (q1 > 15) q1 = 15;
+                out[2 + j] = (uint8_t)(q0 | (q1 << 4));
+            }
+            out += 18;
+        }
+    }
+}
+
+/* q · a key of blocks, and out += p · a value of blocks (n values, whole blocks): the int8 /
+ * int4 numbers as stored, times their block's scale; no float copy of the cache. */
+static float dot_blocks(const Dims *d, const float *q, const uint8_t *k, int64_t n) {
+    float s = 0.0f;
+    if (d->kv_type == KV_Q8_0) {
+        for (int64_t b = 0; b < n / 32; b++, k += 34, q += 32) {
+            const int8_t *qs = (const int8_t *)(k + 2);
+            float t = 0.0f;
+            #pragma omp simd reduction(+ : t)
+            for (int i = 0; i < 32; i++) t += q[i] * (float)qs[i];
+            s += kv_f16(k) * t;
+        }
+    } else {
+        for (int64_t b = 0; b < n / 32; b++, k += 18, q += 32) {
+            const uint8_t *qs = k + 2;
+            float t = 0.0f;
+            #pragma omp simd reduction(+ : t)
+            for (int i = 0; i < 16; i++)
+                t += q[i] * (float)((int)(qs[i] & 15) - 8) + q[i + 16] * (float)((int)(qs[i] >> 4) - 8);
+            s += kv_f16(k) * t;
+        }
+    }
+    return s;
+}
+
+static void axpy_blocks(const Dims *d, float p, const uint8_t *v, int64_t n, float *out) {
+    if (d->kv_type == KV_Q8_0) {
+        for (int64_t b = 0; b < n / 32; b++, v += 34, out += 32) {
+            const int8_t *qs = (const int8_t *)(v + 2);
+            const float w = p * kv_f16(v);
+            #pragma omp simd
+            for (int i = 0; i < 32; i++) out[i] += w * (float)qs[i];
+        }
+    } else {
+        for (int64_t b = 0; b < n / 32; b++, v += 18, out += 32) {
+            const uint8_t *qs = v + 2;
+            const float w = p * kv_f16(v);
+            #pragma omp simd
+            for (int i = 0; i < 16; i++) {
+                out[i] += w * (float)((int)(qs[i] & 15) - 8);
+                out[i + 16] += w * (float)((int)(qs[i] >> 4) - 8);
+            }
+        }
+    }
+}
+
 /* q · one cached key, and out += p · one cached value: the dtype branch sits outside the
- * loops so the compiler vectorizes them (attention reads rows × heads × tokens of these). */
+ * loops so the compiler vectorizes them (attention reads rows × heads × tokens of these).
+ * `at` counts elements from the row's start (for a block cache: token at / head_dim). */
 static float dot_cached(const Dims *d, const float *q, const void *cache, int64_t at, int64_t n) {
     float s = 0.0f;
+    if (d->kv_type != KV_FLOAT)
+        return dot_blocks(d, q, (const uint8_t *)cache + at / d->head_dim * kv_token_bytes(d), n);
     if (d->bf16) {
         const uint16_t *c = (const uint16_t *)cache + at;
         #pragma omp simd reduction(+ : s)
@@ -204,6 +337,10 @@ static float dot_cached(const Dims *d, const float *q, const void *cache, int64_
 }
 
 static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, int64_t n, float *out) {
+    if (d->kv_type != KV_FLOAT) {
+        axpy_blocks(d, p, (const uint8_t *)cache + at / d->head_dim * kv_token_bytes(d), n, out);
+        return;
+    }
     if (d->bf16) {
         const uint16_t *c = (const uint16_t *)cache + at;
         for (int64_t i = 0; i < n; i++) out[i] += p * bf16_to_f32(c[i]);
@@ -401,7 +538,7 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
                          int64_t stride, float *out) {
     const int64_t D = d->head_dim;
 #ifdef __AVX512F__
-    if (d->attn_cap > 0.0f) {} /* soft-capped scores: the scalar path below */
+    if (d->attn_cap > 0.0f || d->kv_type != KV_FLOAT) {} /* soft-capped scores, block caches: scalar path */
     else if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
     else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
@@ -578,7 +715,8 @@ static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows,
 /* One step for `rows` rows sharing cache column `column`; row r holds padding before
  * starts[r] (NULL: no padding) and its token tokens[r] sits at position column - starts[r].
  * cos/sin: the rotary tables [positions, head_dim]. Caches: [layers, rows, kv_heads,
- * capacity, head_dim] in the model dtype. logits: [rows, vocab] float32.
+ * capacity, head_dim] in the model dtype, or [..., capacity, head_dim / 32 · block bytes] of Dims.kv_type
+ * blocks (written quantized, read as stored). logits: [rows, vocab] float32.
  * Returns 0; -1 when a scratch allocation failed, -2 for a token id outside the
  * vocabulary (nothing was written then). */
 int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const Weight *head,
@@ -643,11 +781,12 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             for (int64_t i = 0; i < H; i++) x[r * H + i] = rnd(d, x[r * H + i] * d->embed_scale);
     }
     const int64_t row_elems = d->kv_heads * capacity * D; /* one row of one layer's cache */
+    const int64_t tok_bytes = kv_token_bytes(d), row_bytes = d->kv_heads * capacity * tok_bytes;
     const int64_t group = d->heads / d->kv_heads;
 
     for (int64_t l = 0; l < d->layers; l++) {
         const Layer *L = &layers[l];
-        char *kl = (char *)k_cache + l * rows * row_elems * el, *vl = (char *)v_cache + l * rows * row_elems * el;
+        char *kl = (char *)k_cache + l * rows * row_bytes, *vl = (char *)v_cache + l * rows * row_bytes;
 
         const void *cos_l = L->local ? d->cos_local : cos, *sin_l = L->local ? d->sin_local : sin;
         const float *attn_in = xn; /* block:post_norm attends to x itself */
@@ -662,7 +801,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             float nt[1024];
             float *q = big + r * qkv, *k = q + q_size, *v = q + q_size + kv_size;
             const int64_t position = column - (starts ? starts[r] : 0);
-            char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
+            char *kc = kl + r * row_bytes, *vc = vl + r * row_bytes;
             const int per_head = !d->qk_full;
             if (!per_head) { /* qk_norm:full: one norm over each whole projection */
                 if (L->q_norm) rms_norm(d, q, L->q_norm, q_size, q);
@@ -676,7 +815,10 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                 if (L->k_norm && per_head) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
                 rope(d, k + h * D, cos_l, sin_l, position);
                 const int64_t at = (h * capacity + column) * D;
-                if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
+                if (d->kv_type != KV_FLOAT) { /* quantized once, here, as cache.py's write does */
+                    kv_quantize(d, k + h * D, (uint8_t *)kc + (h * capacity + column) * tok_bytes, D);
+                    kv_quantize(d, v + h * D, (uint8_t *)vc + (h * capacity + column) * tok_bytes, D);
+                } else if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
                     narrow(k + h * D, (uint16_t *)kc + at, D);
                     narrow(v + h * D, (uint16_t *)vc + at, D);
                 } else {
@@ -692,9 +834,9 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             int64_t base, n, next_base = 0, next_n = 0;
             span(d, starts, L->window, column, capacity, u, &base, &n);
             const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
-            const char *kc = kl + r * row_elems * el, *vc = vl + r * row_elems * el;
+            const char *kc = kl + r * row_bytes, *vc = vl + r * row_bytes;
             const char *ahead_k = NULL, *ahead_v = NULL;
-            if (u + 1 < rows * d->kv_heads) {  /* the next unit's rows, prefetched while this one runs */
+            if (u + 1 < rows * d->kv_heads && d->kv_type == KV_FLOAT) {  /* the next unit's rows, prefetched while this one runs */
                 const int64_t r2 = (u + 1) / d->kv_heads;
                 span(d, starts, L->window, column, capacity, u + 1, &next_base, &next_n);
                 ahead_k = kl + (r2 * row_elems + next_base) * el;
