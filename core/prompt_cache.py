@@ -17,7 +17,8 @@ checkpoint (a fine-tune, another quantization, --dequantize, another tokenizer) 
 another fingerprint; hashing every weight byte would cost a second per GB on every run.
 The dtype and the kv-dtype are stored and checked on their own (for a clearer refusal).
 
-Context shift (`shift`): RoPE rotates each key pair (x_i, x_{i+d/2}) by the angle
+Context shift (`shift`, float and quantized caches: a quantized cache's moved keys are
+decoded, rotated and encoded again, its values move as stored): RoPE rotates each key pair (x_i, x_{i+d/2}) by the angle
 position · inv_freq_i, so the key of a token moved from position p to p − d is the stored
 key rotated by −d · inv_freq_i: one more rotation, the same for every moved column,
 computed in float64 angles and applied in float32 (an attention-scaling factor folded
@@ -192,11 +193,11 @@ def _rotation(table, distance: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """keys [..., head_dim] rotated (rotate-half convention, the first cos.shape[-1]
-    dimensions) in float32, returned in their dtype."""
+    """float32 keys [..., head_dim] rotated (rotate-half convention, the first
+    cos.shape[-1] dimensions)."""
     from .rope import apply_rotary
 
-    return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
+    return apply_rotary(keys.float(), cos, sin)
 
 
 def shift(model: torch.nn.Module, cache: KVCache, keep: int, drop: int, end: int | None = None) -> None:
@@ -212,10 +213,12 @@ def shift(model: torch.nn.Module, cache: KVCache, keep: int, drop: int, end: int
     if not (0 <= keep and drop >= 1 and keep + drop <= end <= cache.length):
         raise ValueError(f"cannot drop columns [{keep}, {keep + drop}) of {end}")
     moved = end - keep - drop
-    for name, t in stored_tensors(cache).items():
-        if name in ("k", "v") and t.is_floating_point():
-            continue
-        raise PromptCacheError(f"--context-shift works on float KV caches; this one is {kv_dtype_name(cache)}")
+    if set(stored_tensors(cache)) != {"k", "v"}:
+        raise PromptCacheError(f"--context-shift cannot move this cache's tensors ({sorted(stored_tensors(cache))})")
+    # A quantized cache (cache.py's blocks): keys decoded, rotated in float32, encoded again
+    # (one more rounding of the moved keys); values move as stored, bit for bit.
+    decode = getattr(cache, "decode", lambda stored, dtype: stored.to(dtype))
+    encode = getattr(cache, "encode", lambda x: x.to(cache.k.dtype))
     if moved:
         tables = _layer_tables(model)
         rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -224,9 +227,9 @@ def shift(model: torch.nn.Module, cache: KVCache, keep: int, drop: int, end: int
             if id(table) not in rotations:
                 rotations[id(table)] = _rotation(table, drop, cache.k.device)
             cos, sin = rotations[id(table)]
-            keys = cache.k[layer, 0, :, keep + drop:end].clone()
+            keys = decode(cache.k[layer, 0, :, keep + drop:end].clone(), torch.float32)
             values = cache.v[layer, 0, :, keep + drop:end].clone()
-            cache.k[layer, 0, :, keep:keep + moved] = rotate_keys(keys, cos, sin)
+            cache.k[layer, 0, :, keep:keep + moved] = encode(rotate_keys(keys, cos, sin))
             cache.v[layer, 0, :, keep:keep + moved] = values
     cache.length = keep + moved
     invalidate = getattr(cache, "invalidate", None)

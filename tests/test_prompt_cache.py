@@ -403,3 +403,71 @@ def test_chat_context_shift_drops_old_turns_and_prefills_only_the_new(model_dirs
     # without the flag: today's refusal with the smallest /drop
     r = run_inprocess(args, capsys, script, monkeypatch)
     assert "no longer fits the context" in r.err and "/drop" in r.err
+
+
+# -- quantized KV caches (--kv-dtype, core/cache.py) --------------------------------------
+def _needs_kv_dtype():
+    import inspect
+
+    from twice.core.cache import KVCache
+
+    if "kv_dtype" not in inspect.signature(KVCache).parameters:
+        pytest.skip("core/cache.py has no kv_dtype yet")
+
+
+def test_a_q8_0_cache_is_stored_as_blocks_and_refused_by_a_float_run(model_dirs, tmp_path):
+    _needs_kv_dtype()
+    from twice.core.engine import Engine
+    from twice.core.prompt_cache import PromptCacheError
+    from twice.weights import prompt_cache_file as pcf
+
+    loaded = _load(model_dirs("llama-hd64"))
+
+    def q8():
+        return Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, kv_dtype="q8_0")
+
+    ids = list(range(5, 45))
+    first = q8()
+    _generate(first, ids)
+    path = tmp_path / "q8.kv"
+    pcf.save_from(first, path, len(ids))
+    from twice.weights.checkpoint import validate_header
+
+    header = validate_header(path)
+    assert header["k"]["dtype"] == "U8" and header["__metadata__"]["kv_dtype"] == "q8_0"
+    assert header["k"]["shape"][-1] == 34 * 64 // 32  # the blocks as stored
+    longer = ids + [7, 8, 9]
+    again = q8()
+    pcf.load_into(again, path)
+    assert torch.equal(again.cache.k[:, 0, :, :len(ids)], first.cache.k[:, 0, :, :len(ids)])
+    assert _generate(again, longer).token_ids == _generate(q8(), longer).token_ids
+    with pytest.raises(PromptCacheError, match=r"holds a q8_0 cache \(kv_dtype\), this run's is float32 \(--kv-dtype\)"):
+        pcf.load_into(_engine(loaded), path)
+
+
+def test_context_shift_on_a_q8_0_cache(tmp_path, tokenizer):
+    _needs_kv_dtype()
+    from twice.core import prompt_cache as pc
+    from twice.core.cache import KVCache
+
+    model = _load(_one_layer(tmp_path, tokenizer, "llama-hd64")).model
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 400, (1, 60), generator=g)
+    nxt = torch.randint(5, 400, (1, 7), generator=g)
+    keep, drop = 9, 23
+    caches = {}
+    with torch.inference_mode():
+        for name, kv in (("q8_0", "q8_0"), ("float", None)):
+            shifted = KVCache(model.config, 1, 128, torch.float32, "cpu", kv_heads=model.kv_heads, kv_dtype=kv)
+            model(ids, shifted)
+            pc.shift(model, shifted, keep, drop)
+            fresh = KVCache(model.config, 1, 128, torch.float32, "cpu", kv_heads=model.kv_heads, kv_dtype=kv)
+            model(torch.cat((ids[:, :keep], ids[:, keep + drop:]), 1), fresh)
+            caches[name] = (shifted, fresh)
+            a, b = model(nxt, shifted, all_logits=True), model(nxt, fresh, all_logits=True)
+            caches[name] += ((a - b).abs().max().item(),)
+    shifted, fresh, q8_gap = caches["q8_0"]
+    assert torch.equal(shifted.v[:, :, :, :37], fresh.v[:, :, :, :37])  # values move as stored
+    assert torch.equal(shifted.k[:, :, :, :keep], fresh.k[:, :, :, :keep])
+    assert caches["float"][2] < 1e-4
+    assert q8_gap < 0.05  # one more rounding of the moved keys (their blocks quantized twice)
