@@ -1,5 +1,5 @@
-"""GGUF for the families of issue 15, second part: phi3 written by `twice quantize`, read back by
-twice and loaded by llama.cpp. Each: transformers' logits on the weights the file holds, 32 greedy
+"""GGUF for the families of issue 15, second part: phi3, gemma2 and gemma3 written by `twice
+quantize`, read back by twice and loaded by llama.cpp. Each: transformers' logits on the weights the file holds, 32 greedy
 tokens, as stored and through --dequantize. The helpers (the reference model with each weight
 round-tripped through its type in the file, logits, greedy runs) are tests/test_gguf_families.py's;
 llama.cpp's converter and llama-cpp-python are tests/llamacpp.py's (slow tests: real processes)."""
@@ -140,3 +140,148 @@ def test_llama_cpp_loads_twice_quantize_output(model_dirs, written, tmp_path, fa
     want = reference(folder, path, WRITTEN[family])(torch.tensor([ids])).logits[0]
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= {"f32": 1e-3, "q8_0": 0.05}[kind] * scale
+
+
+# -- gemma2 / gemma3 ------------------------------------------------------------------------
+
+GEMMA = {"gemma2": "gemma2", "gemma3": "gemma3"}
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory, model_dirs):
+    """tiny.py's gemma models as a GGUF can hold them: llama.cpp has no query_pre_attn_scalar
+    key (it scales queries by head_dim ** -0.5 below the 27B), so the copies say
+    query_pre_attn_scalar = head_dim (tiny.py's 24 and 32 are unlike head_dim on purpose);
+    llama.cpp's gemma2 takes its head from the embedding, so the gemma2 copy ties it (the
+    checkpoint's lm_head dropped). Weights otherwise the same."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("gemma-gguf")
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            folder = Path(shutil.copytree(model_dirs(family), root / family))
+            config = json.loads((folder / "config.json").read_text())
+            config["query_pre_attn_scalar"] = config["head_dim"]
+            if family == "gemma2":
+                config["tie_word_embeddings"] = True
+                tensors = load_file(folder / "model.safetensors")
+                tensors.pop("lm_head.weight", None)
+                save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+            (folder / "config.json").write_text(json.dumps(config))
+            made[family] = folder
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gemma_files(tmp_path_factory, gemma_dirs):
+    root = tmp_path_factory.mktemp("gemma-files")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, kind: str) -> Path:
+        if (family, kind) not in made:
+            from twice.weights.gguf_write import write_gguf
+
+            made[family, kind] = root / f"{family}-{kind}.gguf"
+            write_gguf(gemma_dirs(family), made[family, kind], kind, name="tiny random model")
+        return made[family, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("family", GEMMA)
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_gemma_file_as_stored_and_dequantized_equals_transformers(gemma_dirs, gemma_files, family, kind):
+    """Sandwich norms (+1 in the file, -1 on reading), soft-caps, windows crossed by the prompt
+    (24 tokens, window 8), gemma3's local RoPE base and linear scaling: transformers' logits."""
+    path = gemma_files(family, kind)
+    assert read_gguf(path).metadata["general.architecture"] == GEMMA[family]
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    want = reference(gemma_dirs(family), path, GEMMA[family])(IDS).logits[0]
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
+    original = load_tokenizer(gemma_dirs(family))
+    assert [stored.tokenizer.encode(t) for t in TEXTS] == [original.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("family", GEMMA)
+def test_gemma_greedy_tokens_equal_generate(gemma_dirs, gemma_files, family):
+    path = gemma_files(family, "q8_0")
+    ids = IDS[:, :7]
+    want = hf_greedy(reference(gemma_dirs(family), path, GEMMA[family]), ids)
+    assert greedy(load(str(path), device="cpu", dtype="float32"), ids) == want
+    assert greedy(load(str(path), weights="dequantize", device="cpu", dtype="float32"), ids) == want
+
+
+def test_gemma_keys_and_norms(gemma_dirs, gemma_files):
+    """The keys llama.cpp reads; every norm holds w + 1 (as llama.cpp's converter writes it)."""
+    from safetensors.torch import load_file
+
+    g2, g3 = read_gguf(gemma_files("gemma2", "f32")).metadata, read_gguf(gemma_files("gemma3", "f32")).metadata
+    assert (g2["gemma2.attn_logit_softcapping"], g2["gemma2.final_logit_softcapping"]) == (5.0, 3.0)
+    assert g2["gemma2.attention.sliding_window"] == 8 and g2["gemma2.attention.key_length"] == 16
+    assert g2["gemma2.attention.sliding_window_pattern"] == [True, False, True, False]
+    assert g3["gemma3.attention.sliding_window_pattern"] == [True, True, False, True, True]
+    assert g3["gemma3.rope.freq_base_swa"] == 10000.0 and g3["gemma3.rope.freq_base"] == 1e6
+    assert (g3["gemma3.rope.scaling.type"], g3["gemma3.rope.scaling.factor"]) == ("linear", 4.0)
+    assert g3["gemma3.final_logit_softcapping"] == 3.0 and "gemma3.attn_logit_softcapping" not in g3
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(gemma_files("gemma3", "f32"))).tensors}
+    hf = load_file(gemma_dirs("gemma3") / "model.safetensors")
+    for g, h in (("blk.2.post_ffw_norm.weight", "model.layers.2.post_feedforward_layernorm.weight"),
+                 ("blk.0.attn_k_norm.weight", "model.layers.0.self_attn.k_norm.weight"),
+                 ("output_norm.weight", "model.norm.weight")):
+        np.testing.assert_array_equal(tensors[g], hf[h].float().numpy() + 1)
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar 24 has no GGUF form"),
+    ({"tie_word_embeddings": False}, "gemma2 with an untied lm_head has no GGUF form"),
+    ({"hidden_activation": "gelu"}, "gemma with hidden_activation 'gelu' has no GGUF form"),
+])
+def test_gemma_without_a_gguf_form_is_one_line(gemma_dirs, model_dirs, tmp_path, capsys, edit, words):
+    """What llama.cpp's gemma2 cannot run as transformers does: refused in one line, exit 2,
+    nothing written."""
+    import json
+    import shutil
+
+    from clirun import run_inprocess
+
+    folder = Path(shutil.copytree(gemma_dirs("gemma2"), tmp_path / "model"))
+    if "tie_word_embeddings" in edit:
+        folder = Path(shutil.copytree(model_dirs("gemma2"), tmp_path / "untied"))
+        edit = {**edit, "query_pre_attn_scalar": 16}
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    out = tmp_path / "out.gguf"
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys)
+    assert r.code == 2, r
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and words in lines[0], r.err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == []
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", GEMMA)
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_llama_cpp_loads_twice_gemma(gemma_dirs, gemma_files, family, kind):
+    """llama.cpp reads twice's gemma files as transformers computes the model: the +1 norms,
+    caps, sliding layers from the per-layer flags, gemma3's local base and scaled global RoPE
+    (24 tokens cross the window of 8). Within its f16 KV cache's rounding, the same at every
+    position (measured, of logits capped at 3.0: f32 4.3e-3 / 3.6e-3 for gemma2 / gemma3);
+    q8_0 adds its 8-bit activations on these large random weights (initializer_range 0.5:
+    0.19 of 3.0)."""
+    path = gemma_files(family, kind)
+    ids = IDS[0].tolist()
+    got, _ = llama_logits(path, ids)
+    want = reference(gemma_dirs(family), path, GEMMA[family])(torch.tensor([ids])).logits[0]
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= {"f32": 2e-3, "q8_0": 0.1}[kind] * scale

@@ -43,14 +43,16 @@ from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
 from .gguf_file import GGUF_MAGIC, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
-from .gguf_names import GPT2_CONV1D, hf_name
+from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3")
 # GGUF architecture → the Hugging Face class its config names.
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                      "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM",
-                     "phi3": "Phi3ForCausalLM"}
+                     "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# GGUF architecture → the Hugging Face model_type (where they differ).
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -187,7 +189,7 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
 
     config = {
         "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": positive_int(metadata, f"{arch}.feed_forward_length", src),
@@ -205,6 +207,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
     }
     if arch == "phi3":
         _phi3_config(config, metadata, rotary, find, src)
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(config, metadata, arch, src)
     if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
         del config["mlp_bias"]
         if metadata.get("olmo2.attention.sliding_window"):
@@ -251,6 +255,67 @@ def _phi3_config(config: dict, metadata: dict, rotary: int, find, src: Path) -> 
     given = positive_float(metadata, "phi3.rope.scaling.attn_factor", src, default=implied)
     if abs(given - implied) > 1e-6 * implied:
         config["rope_scaling"]["attention_factor"] = float(given)
+
+
+# Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
+# (hidden / heads) ** -0.5; every other size by head_dim ** -0.5 (models/gemma2.cpp, gemma3.cpp).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's sliding pattern where the file has none: every n-th layer global (gemma2 2, gemma3 6).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def gemma_query_scalar(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """The query_pre_attn_scalar llama.cpp's gemma graphs imply (no key holds it)."""
+    return hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+
+
+def gemma_sliding_layers(metadata: dict, arch: str, layers: int, src: Path) -> list[bool]:
+    """Which layers slide, as llama.cpp reads them: attention.sliding_window_pattern as one flag
+    per layer, or as n (every n-th layer global), else the architecture's default n; gemma3
+    without a window (0 or absent) has no sliding layer."""
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma3" and not window:
+        return [False] * layers
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise WeightsError(f"{src}: {arch}.attention.sliding_window_pattern must hold one flag per layer "
+                               f"({layers}), got {len(pattern)} values")
+        return list(pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise WeightsError(f"{src}: {arch}.attention.sliding_window_pattern must be a whole number, got {pattern!r}")
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+
+
+def _gemma_config(config: dict, metadata: dict, arch: str, src: Path) -> None:
+    """Gemma 2 / 3 as llama.cpp reads them (Gemma2Model / Gemma3Model write them): GeGLU, the
+    soft-caps (gemma2: attention 50 and final 30 unless the file says; gemma3: a final cap only
+    where the file has one), the window and sliding layers, gemma3's local RoPE base
+    (rope.freq_base_swa, default 10000) beside the global one and its linear scaling;
+    query_pre_attn_scalar as llama.cpp derives it."""
+    del config["mlp_bias"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    del config["hidden_act"]
+    layers = config["num_hidden_layers"]
+    config["query_pre_attn_scalar"] = gemma_query_scalar(arch, layers, config["hidden_size"],
+                                                         config["num_attention_heads"], config["head_dim"])
+    final = metadata.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
+    if isinstance(final, bool) or not isinstance(final, (int, float)) or not math.isfinite(final) or final < 0:
+        raise WeightsError(f"{src}: metadata {arch}.final_logit_softcapping must be a number >= 0, got {final!r}")
+    config["final_logit_softcapping"] = float(final) or None
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = positive_float(metadata, "gemma2.attn_logit_softcapping", src, default=50.0)
+        if metadata.get("gemma2.rope.freq_base_swa", config["rope_theta"]) != config["rope_theta"]:
+            raise UnsupportedModelError(f"{src}: gemma2 with a separate sliding-layer RoPE base is not supported")
+    else:
+        config["rope_local_base_freq"] = positive_float(metadata, "gemma3.rope.freq_base_swa", src, default=10000.0)
+    sliding = gemma_sliding_layers(metadata, arch, layers, src)
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = metadata.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0 or (any(sliding) and window == 0):
+        raise WeightsError(f"{src}: metadata {arch}.attention.sliding_window must be a positive whole number, "
+                           f"got {window!r}")
+    config["sliding_window"] = window or None
 
 
 def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) -> dict:
@@ -406,6 +471,7 @@ class _TensorJob:
     shape: tuple[int, ...]
     unpermute_heads: int = 0
     transpose: bool = False
+    shift: float = 0.0  # subtracted from the file's values (gemma's norms: the converter's + 1)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -437,6 +503,11 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             del per_layer[f"{leaf}.weight"]
         per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)})
+    if config["model_type"] in GEMMA_ARCHITECTURES:  # sandwich norms; gemma3: per-head q/k norms
+        per_layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+        if config["model_type"] != "gemma2":
+            d = config["head_dim"]
+            per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     if config["model_type"] == "olmo2":  # norms after attention and MLP; q/k norms over the whole projections
         del per_layer["input_layernorm.weight"]
         per_layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
@@ -492,7 +563,8 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
         if shape != want:
             raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(want)}")
         _check_quantization(tensor, src) if dequantized else _check_stored_type(tensor, shape, src)
-        found[name] = _TensorJob(tensor, name, expected[name], _permuted_heads(tensor.name, config), transpose)
+        shift = 1.0 if config["model_type"] in GEMMA_ARCHITECTURES and name.endswith("norm.weight") else 0.0
+        found[name] = _TensorJob(tensor, name, expected[name], _permuted_heads(tensor.name, config), transpose, shift)
 
     config["tie_word_embeddings"] = "lm_head.weight" not in found
     missing = [n for n in expected if n not in found and n != "lm_head.weight"]
@@ -579,6 +651,8 @@ def _load_weight(job: _TensorJob, src: Path, hf_layout: bool = True) -> np.ndarr
         weight = np.asarray(weight, dtype=np.float32).reshape(job.stored_shape)
     if job.unpermute_heads:
         weight = _unpermute_rows(weight, job.unpermute_heads)
+    if job.shift:
+        weight = weight - np.float32(job.shift)
     if job.transpose and hf_layout:
         weight = weight.T
     return weight

@@ -57,8 +57,22 @@ _PHI3 = (
      "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
     "model.layers",
 )
+# Gemma 2 / 3: sandwich norms (attn_norm, post_attention_norm, ffn_norm = the pre-feed-forward
+# norm, post_ffw_norm), gemma3's per-head q/k norms. Every norm's weight is w + 1 in the file
+# (llama.cpp's converter adds gemma's 1): gguf.py subtracts it, gguf_write.py adds it.
+_GEMMA = (
+    _LLAMA[0],
+    {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_q": "self_attn.q_proj",
+     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "model.layers",
+)
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma3_text")
 TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2, "mixtral": _MIXTRAL,
-          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE, "phi3": _PHI3}
+          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE, "phi3": _PHI3,
+          **{a: _GEMMA for a in GEMMA_ARCHITECTURES}}
 _EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 # GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF
 # (convert_hf_to_gguf transposes them), which is the layout twice's linear layers hold.

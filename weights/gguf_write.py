@@ -20,7 +20,11 @@ it), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as
 phi3 (fused attn_qkv and ffn_up = gate|up as in the checkpoint; partial rotary as
 rope.dimension_count, the window as attention.sliding_window (0: none), longrope as the
 rope_factors_long/short tensors with rope.scaling.original_context_length and attn_factor,
-as Phi3MiniModel writes them).
+as Phi3MiniModel writes them), gemma2 and gemma3 (gemma3_text): every norm's weight + 1 as
+Gemma2Model/Gemma3Model write it, the soft-caps, the window and the sliding layers (one flag per
+layer, attention.sliding_window_pattern), gemma3's local RoPE base (rope.freq_base_swa); a
+query_pre_attn_scalar other than the one llama.cpp derives (head_dim; hidden / heads for the
+27B's layer count) is refused, as is a gemma2 with an untied head or without caps.
 Everything that can be refused is checked before a byte is written; the file is written
 beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
@@ -54,10 +58,11 @@ FILE_TYPES: dict[str, int] = {
 
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-                 "olmo2": "olmo2", "phi3": "phi3"}
+                 "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 # Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
 # written as files (the writer would have to stack their experts as llama.cpp does).
-_IN_MEMORY_ONLY = {"mixtral": "mixtral", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# gemma3 image-text checkpoints: their text model quantizes as gemma3_text's (files: not written).
+_IN_MEMORY_ONLY = {"mixtral": "mixtral", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -191,11 +196,64 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
         if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
             raise UnsupportedModelError(f"{folder}: GPT-2 with activation {config.hidden_act!r} has no GGUF form")
         return
+    if config.model_type in _GEMMA:
+        _check_gemma(config, folder)
+        return
     if config.hidden_act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
                                     f"{config.model_type} (llama.cpp uses SiLU)")
     if config.o_bias and config.model_type != "llama":
         raise UnsupportedModelError(f"{folder}: an output-projection bias has no GGUF form for {config.model_type}")
+
+
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def _check_gemma(config: ModelConfig, folder: Path) -> None:
+    """What llama.cpp's gemma2/gemma3 graphs cannot run as transformers does."""
+    from .gguf import gemma_query_scalar
+
+    arch, o = ARCHITECTURES[config.model_type], config.options
+    if config.hidden_act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{folder}: gemma with hidden_activation {config.hidden_act!r} has no GGUF form "
+                                    "(llama.cpp runs gelu_pytorch_tanh)")
+    if config.qkv_bias or config.o_bias:
+        raise UnsupportedModelError(f"{folder}: gemma with attention_bias has no GGUF form")
+    implied = gemma_query_scalar(arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                                 config.head_dim)
+    if o.query_pre_attn_scalar != implied:
+        raise UnsupportedModelError(f"{folder}: query_pre_attn_scalar {o.query_pre_attn_scalar:g} has no GGUF form: "
+                                    f"llama.cpp scales {arch}'s queries by {implied} ** -0.5 for this size")
+    if arch == "gemma2":
+        if not config.tie_word_embeddings:
+            raise UnsupportedModelError(f"{folder}: gemma2 with an untied lm_head has no GGUF form (llama.cpp's gemma2 "
+                                        "uses the embedding as its head)")
+        if o.attn_logit_softcapping is None or o.final_logit_softcapping is None:
+            raise UnsupportedModelError(f"{folder}: gemma2 without attn_logit_softcapping or final_logit_softcapping "
+                                        "has no GGUF form (llama.cpp's gemma2 always caps)")
+    elif o.local_rope and o.local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"{folder}: gemma3 with RoPE scaling on its sliding layers has no GGUF form")
+
+
+def _gemma_metadata(config: ModelConfig, arch: str) -> list[tuple[str, str, Any]]:
+    """Gemma2Model / Gemma3Model's keys, and the sliding layers as one flag per layer (which
+    llama.cpp reads, for any pattern; the converter leaves llama.cpp's default)."""
+    o = config.options
+    kv: list[tuple[str, str, Any]] = []
+    if arch == "gemma2":
+        kv.append(("gemma2.attn_logit_softcapping", "float32", o.attn_logit_softcapping))
+    if o.final_logit_softcapping is not None:
+        kv.append((f"{arch}.final_logit_softcapping", "float32", o.final_logit_softcapping))
+    sliding = [config.window_for_layer(i) is not None for i in range(config.num_hidden_layers)]
+    if any(sliding):
+        kv += [(f"{arch}.attention.sliding_window", "uint32", config.sliding_window),
+               (f"{arch}.attention.sliding_window_pattern", "bools", sliding)]
+    elif arch == "gemma2":  # llama.cpp's gemma2 slides every other layer unless told
+        kv += [("gemma2.attention.sliding_window", "uint32", config.max_position_embeddings),
+               ("gemma2.attention.sliding_window_pattern", "bools", sliding)]
+    if arch == "gemma3" and o.local_rope is not None:
+        kv.append(("gemma3.rope.freq_base_swa", "float32", float(o.local_rope["rope_theta"])))
+    return kv
 
 
 # -- metadata ------------------------------------------------------------------------------
@@ -223,7 +281,8 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
         kv.append((f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps))
         return kv
     kv.append((f"{arch}.attention.layer_norm_rms_epsilon", "float32", config.rms_norm_eps))
-    if raw.get("head_dim") is not None or config.head_dim * config.num_attention_heads != config.hidden_size:
+    if raw.get("head_dim") is not None or config.head_dim * config.num_attention_heads != config.hidden_size \
+            or arch in ("gemma2", "gemma3"):
         kv += [(f"{arch}.attention.key_length", "uint32", config.head_dim),
                (f"{arch}.attention.value_length", "uint32", config.head_dim)]
     if arch == "llama":
@@ -231,6 +290,8 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     rope = config.rope_parameters or {}
     if arch == "phi3":
         kv += _phi3_metadata(config, raw, rope)
+    if arch in ("gemma2", "gemma3"):
+        kv += _gemma_metadata(config, arch)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
     kind = rope.get("rope_type", "default")
     if kind == "linear":
@@ -430,6 +491,8 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
         elif arch == "gpt2" and hf.endswith(GPT2_CONV1D):
             transform = ("transpose", 0)
             shape = shape[::-1]
+        elif arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
+            transform = ("shift", 1.0)  # gemma's (1 + w) norms hold w + 1 in llama.cpp's files
         found[name] = TensorPlan(name, shape, "F32", _reader(tf, hf, transform), source=hf)
     if unknown:
         shown = ", ".join(unknown[:3]) + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
@@ -466,6 +529,8 @@ def _reader(tf, hf: str, transform) -> Callable[[], torch.Tensor]:
             tensor = _permute(tensor, transform[1])
         elif transform and transform[0] == "transpose":
             tensor = tensor.t()
+        elif transform and transform[0] == "shift":
+            tensor = tensor + transform[1]
         return tensor
     return read
 
@@ -641,6 +706,8 @@ def _add(writer, key: str, kind: str, value) -> None:
         writer.add_float32(key, float(value))
     elif kind == "bool":
         writer.add_bool(key, bool(value))
+    elif kind == "bools":
+        writer.add_key_value(key, [bool(v) for v in value], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
     elif kind in ("strings", "int32s") and not value:
         return  # GGUF has no empty arrays (a tokenizer without merges)
     elif kind == "strings":
