@@ -151,7 +151,8 @@ class Stats:
     oom_retries: int = 0  # batches cut in half because the device ran out of memory
     joined: int = 0  # prompts that took a finished row's place while the others decoded
     largest_batch: int = 0  # most rows decoded together
-    rows: int = 0  # the most rows of each scheduler run, summed (a run again after running out of memory counts again)
+    rows: int = 0  # rows decoded, summed over decode steps (a run again after running out of memory counts again)
+    steps: int = 0  # decode steps
     decode_path: str = ""  # native | compiled | eager, as the engine reports it
     batch_invariant: bool = True  # every finished row bit for bit its prompt alone (GenerationResult.batch_invariant)
 
@@ -244,7 +245,8 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
             pending = [jobs[i] for i in left]
         finally:
             stats.largest_batch = max(stats.largest_batch, scheduler.counters.most_running)
-            stats.rows += scheduler.counters.most_running
+            stats.rows += scheduler.counters.decode_tokens
+            stats.steps += scheduler.counters.steps
             stats.joined += scheduler.counters.joined_running
             if allocated:
                 stats.kv_allocated.append(allocated)
@@ -326,8 +328,9 @@ def summary_table(stats: Stats, batch_size: int, why: str, loaded, used: int | N
          f"most rows a batch may hold: {why}"
          + ("; → the limit it was cut to after running out of memory" if used is not None and used != batch_size
             else "")),
-        ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.batches):,.1f} mean",
-         "most rows decoded together in each run (at most the limit; fewer when fewer prompts are left)"),
+        ("rows per batch", f"{stats.largest_batch} most, {stats.rows / max(1, stats.steps):,.1f} mean",
+         "rows decoded together: the most, and the mean over decode steps (a finished row's place goes to the "
+         "next prompt, so the batch stays at the limit until the input runs out)"),
         ("rows vs alone", "identical" if stats.batch_invariant else "may differ",
          "identical: each row's tokens are bit for bit its prompt's alone, at any batch size (the native CPU "
          "step); may differ: PyTorch's kernels reduce a row differently beside others, so rows can part from "
