@@ -23,7 +23,9 @@ def bench(
     model: o.Model = None,
     shape: Annotated[Optional[str], typer.Option(help="Random weights with the shapes of a real model instead of "
                                                       "--model: tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, "
-                                                      "llama-3.2-1b.")] = None,
+                                                      "llama-3.2-1b, gemma-3-270m, gemma-2-2b-4l, phi-3-mini-4l, "
+                                                      "olmo-2-1b-4l, qwen3-30b-a3b-4l16e, mixtral-8x7b-1l4e "
+                                                      "(-NL: N layers, -ME: M experts of the real model's).")] = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     dequantize: o.Dequantize = False,

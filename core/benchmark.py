@@ -48,7 +48,69 @@ SHAPES: dict[str, dict] = {
                          tie_word_embeddings=True,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Issue 15's families (scripts/bench_families.py): the real config.json's fields; where
+    # ours plus transformers' twin in float32 would not fit a small machine (or a run would
+    # take too long), fewer layers / experts, as each comment says. Vocabulary, widths, heads,
+    # windows, caps and RoPE stay the real model's, so a step's head and per-layer costs are real.
+    # google/gemma-3-270m: all 18 layers (5 sliding : 1 global), tied 262144-row head.
+    "gemma-3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                         num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+                         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+                         rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, attn_logit_softcapping=None,
+                         final_logit_softcapping=None, tie_word_embeddings=True),
+    # google/gemma-2-2b: 4 of its 26 layers (alternating sliding 4096 / global), tied 256000-row head.
+    "gemma-2-2b-4l": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                          hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+                          rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
+    # microsoft/Phi-3-mini-4k-instruct: 4 of its 32 layers (no GQA: 32 kv heads; window 2047).
+    "phi-3-mini-4l": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                          num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
+                          sliding_window=2047, rope_theta=10000.0, rms_norm_eps=1e-5,
+                          max_position_embeddings=4096, original_max_position_embeddings=4096,
+                          tie_word_embeddings=False),
+    # allenai/OLMo-2-0425-1B: 4 of its 16 layers, untied 100352-row head.
+    "olmo-2-1b-4l": dict(model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, rope_theta=500000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096, attention_bias=False,
+                         tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 4 of its 48 layers, 16 of its 128 experts (still 8 chosen per token).
+    "qwen3-30b-a3b-4l16e": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                                num_key_value_heads=4, head_dim=128, num_experts=16, num_experts_per_tok=8,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                                use_sliding_window=False, attention_bias=False, tie_word_embeddings=False),
+    # mistralai/Mixtral-8x7B-v0.1: 1 of its 32 layers, 4 of its 8 experts (2 chosen per token): one
+    # layer's experts alone are 1.4 G parameters.
+    "mixtral-8x7b-1l4e": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                              num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                              max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False),
 }
+
+
+def dense_equivalent(shape: dict) -> dict:
+    """A dense (llama-family) shape whose one token reads as many parameters as the mixture
+    of experts `shape` does: the same attention, head and layers, one gated MLP as wide as
+    its chosen experts together (top_k · expert width), widened by the router's parameters
+    (hidden · experts per layer = 3 · hidden · experts / 3). Qwen3-MoE's twin is qwen3 (its
+    attention has q/k norms), Mixtral's llama. Compare Family.active_parameter_count with
+    parameter_count of the result (scripts/bench_families.py reports both)."""
+    d = dict(shape)
+    moe_type = d.pop("model_type")
+    experts = d.pop("num_local_experts", None) or d.pop("num_experts")
+    top_k = d.pop("num_experts_per_tok")
+    width = d.pop("moe_intermediate_size", None) or d["intermediate_size"]
+    for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window", "attention_bias",
+                "sliding_window", "num_experts", "num_local_experts", "router_aux_loss_coef"):
+        d.pop(key, None)
+    d["model_type"] = "qwen3" if moe_type == "qwen3_moe" else "llama"
+    d["intermediate_size"] = top_k * width + round(experts / 3)
+    return d
 
 
 @dataclass
@@ -112,8 +174,13 @@ def random_model(config: ModelConfig, device, dtype, seed: int = 0) -> CausalLM:
     return model
 
 
-def hf_twin(model: CausalLM):
-    """A transformers model with the same config and the same weights (in memory)."""
+def hf_twin(model: CausalLM, share: bool = False):
+    """A transformers model with the same config and the same weights (in memory).
+
+    share: the twin's parameters are views of ours wherever the layouts agree (every row
+    block of a fused matrix, stacked experts; not a transposed one, which is copied), and
+    transformers' own initialisation is skipped, so a large shape costs its weights once,
+    not twice. Both models then read the very same memory; neither may change its weights."""
     import transformers
 
     c = model.config
@@ -135,12 +202,21 @@ def hf_twin(model: CausalLM):
         raise ValueError(f"no transformers twin for {c.model_type}")
     hf_config = getattr(transformers, name)(**kwargs)
     first = next(model.parameters())
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype).to(first.device)
+    if share:
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():  # every parameter is replaced below: untouched pages cost no memory
+            hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype)
+        hf.tie_weights()
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=first.dtype)
+    hf = hf.to(first.device)
     hf.eval().requires_grad_(False)
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, m in model.named_modules():  # block-stored weights: the twin gets them dequantized
         if isinstance(m, (BlockLinear, BlockEmbedding)):
             params[f"{name}.weight"] = m.weight.dequantize(first.dtype)
+    assigned: set[int] = set()
     with torch.no_grad():
         for name, target in model.targets().items():
             try:
@@ -152,7 +228,17 @@ def hf_twin(model: CausalLM):
                 src = src[target.row : target.row + target.rows]
             if target.stored_shape is not None:  # stacked experts, grouped by expert there
                 src = src.reshape(target.stored_shape)
-            dest.copy_(src.t() if target.transpose else src)
+            if (share and not target.transpose and src.is_contiguous() and src.dtype == dest.dtype
+                    and src.shape == dest.shape):
+                dest.data = src.detach()
+                assigned.add(id(dest))
+            else:
+                dest.copy_(src.t() if target.transpose else src)
+                assigned.add(id(dest))
+    if share:
+        missed = [n for n, p in hf.named_parameters() if id(p) not in assigned]
+        if missed:  # would hold uninitialised memory: never measure such a twin
+            raise ValueError(f"transformers' twin has parameters ours do not give: {', '.join(missed[:3])}")
     return hf
 
 
@@ -285,13 +371,16 @@ def _steps_summary(steps: list[float]) -> tuple[float, float]:
 
 
 def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 1, repeats: int = 3,
-              name: str | None = None) -> Run:
+              name: str | None = None, warmup: bool = True) -> Run:
+    """Median of `repeats` runs, after one untimed run unless `warmup` is False (the caller
+    warmed the engine up already: scripts/bench_families.py's alternating rounds)."""
     config = engine.config
     prompts = prompt_ids(config.vocab_size, batch, prompt_tokens)
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     compile_s = 0.0
     runs = []
-    for i in range(repeats + 1):  # the first run warms up (and compiles)
+    skip = 1 if warmup else 0
+    for i in range(repeats + skip):  # the first run warms up (and compiles)
         with _PeakMemory(engine.device) as mem:
             if batch == 1:
                 results = [e.result for e in engine.generate(Request(ids=prompts[0]), settings, reuse_cache=False)
@@ -303,7 +392,7 @@ def run_twice(engine: Engine, prompt_tokens: int, new_tokens: int, batch: int = 
                 wall = time.perf_counter() - t0
         r = results[0]
         compile_s += r.compile_seconds
-        if i == 0:
+        if i < skip:
             continue
         if batch == 1:
             decode_tps = r.decode_tokens_per_second
@@ -352,8 +441,9 @@ def run_naive(model: CausalLM, prompt_tokens: int, new_tokens: int, repeats: int
 
 @torch.inference_mode()
 def run_transformers(hf, prompt_tokens: int, new_tokens: int, batch: int = 1, repeats: int = 3,
-                     static_cache: bool = False, compile: bool = False) -> Run:
-    """`generate(do_sample=False)` with per-token times taken by a logits processor."""
+                     static_cache: bool = False, compile: bool = False, warmup: bool = True) -> Run:
+    """`generate(do_sample=False)` with per-token times taken by a logits processor; median of
+    `repeats` runs after an untimed one unless `warmup` is False."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     device = next(hf.parameters()).device
@@ -375,13 +465,14 @@ def run_transformers(hf, prompt_tokens: int, new_tokens: int, batch: int = 1, re
     if compile:
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead" if device.type == "cuda" else None)
     runs = []
-    for i in range(repeats + 1):
+    skip = 1 if warmup else 0
+    for i in range(repeats + skip):
         stamps.clear()
         with _PeakMemory(device) as mem:
             t0 = time.perf_counter()
             hf.generate(ids, **kwargs)
             synchronize(device)
-        if i == 0:
+        if i < skip:
             compile_s = time.perf_counter() - t0 if compile else 0.0
             continue
         first, last = stamps[0], stamps[-1]
