@@ -56,15 +56,18 @@ def configurations(kquant: str, quant_dtype: str) -> dict[str, tuple[str | None,
             "q4_1": (None, quant_dtype)}
 
 
-def plan(kquant: str, batch: int, prefill_all: bool) -> list[tuple[str, str]]:
+BATCH_ALL = ("float32", "q8_0", "q4_0")  # --batch-all: their batch ratios beside the K mixture's
+
+
+def plan(kquant: str, batch: int, prefill_all: bool, batch_all: bool = False) -> list[tuple[str, str]]:
     """(configuration, workload) pairs, one measurement each per round."""
     decode = [(c, "decode") for c in ("float32", "bf16", "q8_0", "q4_0", kquant, "q4_1")]
-    batches = [(kquant, "batch1"), (kquant, f"batch{batch}")]
+    batches = [(c, w) for c in (kquant, *(BATCH_ALL if batch_all else ())) for w in ("batch1", f"batch{batch}")]
     prefills = ["float32", "bf16", kquant, "q4_1"] + (["q8_0", "q4_0"] if prefill_all else [])
     return decode + batches + [(c, "prefill") for c in prefills]
 
 
-def ratios(kquant: str, batch: int, prefill_all: bool) -> list[dict]:
+def ratios(kquant: str, batch: int, prefill_all: bool, batch_all: bool = False) -> list[dict]:
     """What is compared: numerator and denominator measurements, the metric, the target."""
     def r(section, num, den, metric, target=None):
         return {"section": section, "num": num, "den": den, "metric": metric, "target": target}
@@ -84,6 +87,8 @@ def ratios(kquant: str, batch: int, prefill_all: bool) -> list[dict]:
            r("prefill", ("q4_1", "prefill"), ("float32", "prefill"), p)]
     if prefill_all:
         out += [r("prefill", (q, "prefill"), ("bf16", "prefill"), p) for q in ("q8_0", "q4_0")]
+    if batch_all:
+        out += [r("batch", (c, f"batch{batch}"), (c, "batch1"), d) for c in BATCH_ALL]
     return out
 
 
@@ -153,6 +158,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=256, help="new tokens of the batch-1 decode workload")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--prefill-all", action="store_true", help="also prefill q8_0 and q4_0")
+    p.add_argument("--batch-all", action="store_true", help="also batch vs batch 1 for float32, q8_0 and q4_0")
     p.add_argument("--quick", action="store_true", help="every length divided by 8 (a smoke run)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -190,8 +196,8 @@ def main() -> None:
         if info["decode_path"] != "native":
             say(f"  note: {name} decodes through the {info['decode_path']} step, not the native one")
     report["configurations"] = {n: c.info() for n, c in loaded.items()}
-    measures = plan(args.kquant, args.batch, args.prefill_all)
-    specs = ratios(args.kquant, args.batch, args.prefill_all)
+    measures = plan(args.kquant, args.batch, args.prefill_all, args.batch_all)
+    specs = ratios(args.kquant, args.batch, args.prefill_all, args.batch_all)
     report["runs"] = {}
     for t in threads:
         torch.set_num_threads(t)
@@ -223,6 +229,16 @@ def spec_metric(measure: tuple[str, str]) -> str:
 TITLES = {"decode": "batch-1 decode tok/s", "batch": "aggregate decode tok/s", "prefill": "prefill tok/s"}
 
 
+def mix(formats: dict) -> str:
+    """A mixture's types by share of the weights (SmolLM2's rows of 576 hold no 256-value K block:
+    llama.cpp's rules put Q5_0 / Q8_0 there, so its q4_k_m is mostly Q5_0)."""
+    types = formats.get("types") or {}
+    total = sum(types.values())
+    if len(types) < 2 or not total:
+        return ""
+    return ": " + ", ".join(f"{t} {100 * v / total:.0f}%" for t, v in types.items())
+
+
 def render(r: dict) -> str:
     c = r["configurations"]
     w = r["workloads"]
@@ -230,7 +246,8 @@ def render(r: dict) -> str:
              f"{r['rounds']} paired rounds" + (" (quick: lengths / 8)" if r["quick"] else ""),
              "configurations: " + "; ".join(
                  f"{n} {x['decode_path']} {x['dtype']} {x['weight_bytes'] / 2**20:.0f} MiB "
-                 f"({x['weight_format'].get('bits_per_weight', 0):.2f} b/w)" for n, x in c.items()),
+                 f"({x['weight_format'].get('bits_per_weight', 0):.2f} b/w{mix(x['weight_format'])})"
+                 for n, x in c.items()),
              "workloads: " + "; ".join(f"{k} P={v['prompt_tokens']} G={v['new_tokens']} B={v['batch']}"
                                       for k, v in w.items())]
     read = r["bandwidth"]["read_bytes_per_s"]
