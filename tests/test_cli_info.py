@@ -16,7 +16,7 @@ FAMILIES = ["llama", "qwen3", "gpt2"]
 JSON_KEYS = {"name", "folder", "model_type", "parameters", "stored_dtype", "dtype", "weight_bytes", "context_length",
              "layers", "heads", "kv_heads", "head_dim", "hidden_size", "intermediate_size", "vocab_size", "rope",
              "sliding_window", "kv_bytes_per_token", "kv_bytes_full_context", "chat_template", "eos_token_ids",
-             "dtype_reason", "weight_format", "source", "active_parameters", "active_weight_bytes"}
+             "dtype_reason", "weight_format", "source", "active_parameters", "active_weight_bytes", "kv_dtype"}
 
 
 def tensor_elements(path) -> int:
