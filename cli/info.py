@@ -56,7 +56,7 @@ def info(
         ("sliding window", f"{facts['sliding_window']:,} tokens" if facts["sliding_window"] else "none"),
         ("KV cache per token",
          f"{human_bytes(facts['kv_bytes_per_token'])}: 2 · L · H_kv · d · bytes = {formula} = {facts['kv_bytes_per_token']:,} B"
-         f" ({facts['kv_dtype']})"),
+         + (f" ({facts['kv_dtype']})" if kv_dtype != "auto" else "")),
         ("KV cache at full context",
          f"{human_bytes(facts['kv_bytes_full_context'])} (per token × {facts['context_length']:,})"),
         ("chat template", "yes" if facts["chat_template"] else "no"),
