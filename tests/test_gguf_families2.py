@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from llamacpp import llama_logits
+from llamacpp import convert, llama_logits
 from test_gguf_families import IDS, TEXTS, _float_products, hf_greedy, load_tokenizer, logits, reference  # noqa: F401
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.gguf_file import read_gguf
@@ -285,3 +285,59 @@ def test_llama_cpp_loads_twice_gemma(gemma_dirs, gemma_files, family, kind):
     want = reference(gemma_dirs(family), path, GEMMA[family])(torch.tensor([ids])).logits[0]
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= {"f32": 2e-3, "q8_0": 0.1}[kind] * scale
+
+
+@pytest.fixture(scope="module")
+def gemma3_converted(tmp_path_factory, gemma_dirs):
+    """outtype → llama.cpp's converter on the gemma3 copy (its tiny byte-level BPE: Gemma3Model
+    reads tokenizer.json where there is no tokenizer.model). The converter writes no sliding
+    pattern (llama.cpp then makes every 6th layer global), so this copy says
+    sliding_window_pattern 6: its 5 layers all slide."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("gemma3-converted")
+    folder = Path(shutil.copytree(gemma_dirs("gemma3"), root / "gemma3"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(sliding_window_pattern=6, layer_types=["sliding_attention"] * config["num_hidden_layers"])
+    (folder / "config.json").write_text(json.dumps(config))
+    made: dict[str, Path] = {}
+
+    def get(outtype: str) -> tuple[Path, Path]:
+        if outtype not in made:
+            made[outtype] = convert(folder, root / f"gemma3-{outtype}.gguf", outtype)
+        return folder, made[outtype]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0"])
+def test_converter_gemma3_file_gives_transformers_logits_and_tokens(gemma3_converted, outtype):
+    """The converter's gemma3 file (norms + 1, freq_base_swa, linear global scaling, no pattern
+    key), as stored and dequantized: transformers' logits (measured: 0.0 in f32) and 32 greedy
+    tokens on the weights it holds."""
+    folder, path = gemma3_converted(outtype)
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    model = reference(folder, path, "gemma3")
+    want = model(IDS).logits[0]
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
+    ids = IDS[:, :7]
+    assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
+
+
+@pytest.mark.slow
+def test_twice_writes_the_converters_gemma3_tensors(gemma3_converted, tmp_path):
+    """twice quantize --type f32 of the same folder writes the converter's tensors byte for byte."""
+    from twice.weights.gguf_write import write_gguf
+
+    folder, theirs = gemma3_converted("f32")
+    ours = write_gguf(folder, tmp_path / "ours.gguf", "f32").path
+
+    def table(p):
+        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+                for t in gguf.GGUFReader(str(p)).tensors}
+
+    assert table(ours) == table(theirs)
