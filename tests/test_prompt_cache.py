@@ -403,6 +403,9 @@ def test_chat_context_shift_drops_old_turns_and_prefills_only_the_new(model_dirs
     # without the flag: today's refusal with the smallest /drop
     r = run_inprocess(args, capsys, script, monkeypatch)
     assert "no longer fits the context" in r.err and "/drop" in r.err
+    # --keep N protecting every turn: nothing may be dropped, so the same refusal
+    r = run_inprocess([*args, "--context-shift", "--keep", "1000"], capsys, script, monkeypatch)
+    assert "no longer fits the context" in r.err and "context shift" not in r.err
 
 
 # -- quantized KV caches (--kv-dtype, core/cache.py) --------------------------------------
