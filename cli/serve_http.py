@@ -85,6 +85,7 @@ class Worker:
         self.sinks: dict[int, object] = {}
         self.snapshot = Snapshot()
         self.pending = 0  # submissions in the inbox (the queue limit counts them)
+        self._lock = threading.Lock()  # for `pending`, changed by both threads
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="twice-scheduler", daemon=True)
 
@@ -100,7 +101,8 @@ class Worker:
     def submit(self, request, settings, sink, **kw) -> concurrent.futures.Future:
         """Queue a request; the future gets its id (or the TwiceError that refused it)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.pending += 1
+        with self._lock:
+            self.pending += 1
         self.inbox.put(("submit", request, settings, kw, sink, future))
         return future
 
@@ -129,7 +131,8 @@ class Worker:
             for command in commands:
                 if command[0] == "submit":
                     _, request, settings, kw, sink, future = command
-                    self.pending -= 1
+                    with self._lock:
+                        self.pending -= 1
                     try:
                         seq_id = s.submit(request, settings, **kw)
                     except TwiceError as e:

@@ -288,6 +288,20 @@ def test_response_format_json_schema_output_parses(server, model):
     assert "\n" not in e["message"]
 
 
+def test_a_shared_system_prompt_is_prefilled_once(server, model):
+    """Two chats with the same long system prompt: the second copies its start from the first's
+    cached row (prefix-cache counters in /metrics)."""
+    system = {"role": "system", "content": "You are a careful assistant who answers in full sentences " * 4}
+    client = server.client()
+    m0 = server.metrics()
+    for question in ("What is a cache?", "Why is the sky blue?"):
+        client.chat.completions.create(model=model, messages=[system, {"role": "user", "content": question}],
+                                       max_tokens=3, temperature=0)
+    m = server.metrics()
+    assert m["twice_prefix_cache_hits_total"] - m0.get("twice_prefix_cache_hits_total", 0) >= 1
+    assert m["twice_prefix_cache_tokens_total"] - m0.get("twice_prefix_cache_tokens_total", 0) >= 16
+
+
 def test_cors_is_off_by_default(server):
     r = httpx.get(server.url + "/health", headers={"origin": "https://app.example"})
     assert "access-control-allow-origin" not in r.headers
