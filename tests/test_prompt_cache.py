@@ -226,7 +226,7 @@ def test_another_models_and_another_dtypes_files_are_refused(model_dirs, tmp_pat
     assert engine.cache is None and engine.cached_ids == []  # untouched
     path = _saved(model_dirs, tmp_path)
     engine = _engine(_load(model_dirs("llama"), dtype="bfloat16"))
-    with pytest.raises(PromptCacheError, match="holds a float32 cache"):
+    with pytest.raises(PromptCacheError, match=r"holds a float32 cache, this run's is bfloat16 \(--dtype\)"):
         pcf.load_into(engine, path)
     # the same weights behind another tokenizer: another fingerprint
     from twice.core.prompt_cache import fingerprint
@@ -444,7 +444,7 @@ def test_a_q8_0_cache_is_stored_as_blocks_and_refused_by_a_float_run(model_dirs,
     pcf.load_into(again, path)
     assert torch.equal(again.cache.k[:, 0, :, :len(ids)], first.cache.k[:, 0, :, :len(ids)])
     assert _generate(again, longer).token_ids == _generate(q8(), longer).token_ids
-    with pytest.raises(PromptCacheError, match=r"holds a q8_0 cache \(kv_dtype\), this run's is float32 \(--kv-dtype\)"):
+    with pytest.raises(PromptCacheError, match=r"holds a q8_0 cache, this run's is float32 \(--kv-dtype\)"):
         pcf.load_into(_engine(loaded), path)
 
 

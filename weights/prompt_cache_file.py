@@ -103,8 +103,7 @@ def read(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dty
     meta = header["__metadata__"]
     for key, flag in (("dtype", "--dtype"), ("kv_dtype", "--kv-dtype")):
         if meta.get(key) != expected[key]:
-            raise PromptCacheError(f"{path}: holds a {meta.get(key)} cache ({key}), this run's is "
-                                   f"{expected[key]} ({flag})")
+            raise PromptCacheError(f"{path}: holds a {meta.get(key)} cache, this run's is {expected[key]} ({flag})")
     if meta.get("fingerprint") != expected["fingerprint"]:
         made = meta.get("model_type") or "another model"
         raise PromptCacheError(f"{path}: made with another model or tokenizer: {made}, fingerprint "
