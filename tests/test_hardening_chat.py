@@ -317,11 +317,11 @@ def test_a_reply_cut_before_any_text_keeps_no_empty_message(model_dirs, tmp_path
             raise KeyboardInterrupt
         return real_prefill(self, tokens, cache, chunk)
 
-    def step(self, tokens, cache, sampler):
+    def step(self, tokens, cache, sampler, masks=None):
         state["steps"] += 1
         if state["message"] == cut["decode"] and state["steps"] == 3:
             raise KeyboardInterrupt
-        return real_step(self, tokens, cache, sampler)
+        return real_step(self, tokens, cache, sampler, masks)
 
     real_render = Tokenizer.render_chat
 
@@ -388,10 +388,10 @@ def _engine_fails(monkeypatch, folder, word):
         state["crash"] = word in messages[-1]["content"]
         return real_render(self, messages, *args, **kwargs)
 
-    def step(self, tokens, cache, sampler):
+    def step(self, tokens, cache, sampler, masks=None):
         if state["crash"]:
             raise RuntimeError("boom in the middle of the reply")
-        return real_step(self, tokens, cache, sampler)
+        return real_step(self, tokens, cache, sampler, masks)
 
     monkeypatch.setattr(Engine, "_step", step)
     monkeypatch.setattr(Tokenizer, "render_chat", render_chat)
@@ -429,10 +429,10 @@ def test_a_failed_device_ends_the_chat_and_rescues_the_conversation(model_dirs, 
         state["crash"] = "CRASH" in messages[-1]["content"]
         return real_render(self, messages, *args, **kwargs)
 
-    def step(self, tokens, cache, sampler):
+    def step(self, tokens, cache, sampler, masks=None):
         if state["crash"]:
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
-        return real_step(self, tokens, cache, sampler)
+        return real_step(self, tokens, cache, sampler, masks)
 
     monkeypatch.setattr(Engine, "_step", step)
     monkeypatch.setattr(Tokenizer, "render_chat", render_chat)
