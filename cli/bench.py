@@ -39,6 +39,16 @@ def bench(
     quick: Annotated[bool, typer.Option(help="Divide every workload's lengths by 8 (smoke test).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write all numbers to this JSON file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Draw per-token decode latency against position (PNG).")] = None,
+    kv: Annotated[bool, typer.Option("--kv", help="Sweep context length x --kv-dtype instead: KV bytes, decode "
+                                                  "tok/s and the KV share of the bytes a step reads (--plot: bytes "
+                                                  "and tok/s against context).")] = False,
+    kv_dtype: Annotated[Optional[list[str]], typer.Option(
+        "--kv-dtype", help="The KV cache's element type (auto, float32, bfloat16, float16, q8_0, q4_0). With --kv: "
+                           "repeatable, the types swept (default auto, q8_0, q4_0); else one, for the twice engines.")] = None,
+    kv_context: Annotated[Optional[list[int]], typer.Option(
+        "--kv-context", help="With --kv: context lengths (repeatable; default 512, 1024, 2048, 4096, within the "
+                             "model's context).")] = None,
+    kv_batch: Annotated[int, typer.Option("--kv-batch", help="With --kv: rows decoded together.")] = 1,
 ):
     """Measure TTFT, prefill and decode speed, latency percentiles and memory of twice against
     transformers (same weights, dtype, device, threads), with the device's measured memory
@@ -52,6 +62,9 @@ def bench(
 
     err = err_console()
     weights = o.weights_choice(dequantize, quantize)
+    from .bench_kv import check_kv_options
+
+    check_kv_options(kv, kv_dtype, kv_context, kv_batch)
     o.apply_threads(threads)
     names = workload or ["decode", "prefill", "batch1", "batch4"]
     unknown = [n for n in names if n not in b.WORKLOADS]
@@ -77,9 +90,14 @@ def bench(
         loaded = load(model, None, device, dtype, progress=say, weights=weights)
         net, tokenizer, name, why = loaded.model, loaded.tokenizer, loaded.name, loaded.dtype_reason
     setup = b.describe_setup(net) | {"model": name, "dtype_reason": why}
+    if kv:
+        from .bench_kv import run_kv
+
+        return run_kv(net, setup, kv_dtype, kv_context, kv_batch, repeats, quick, json_out, plot, say)
     say(f"measuring memory bandwidth on {setup['device']}")
     before = b.measure_bandwidth(setup["device"])
-    results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say)
+    results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say,
+                          kv_dtype=kv_dtype[0] if kv_dtype else None)
     say("measuring memory bandwidth again")
     bandwidth = b.best_bandwidth(before, b.measure_bandwidth(setup["device"]))
     say("measuring the multiply-add peak")

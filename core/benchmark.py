@@ -579,16 +579,17 @@ def scaled(workload: Workload, factor: float) -> Workload:
 
 
 def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: list[str] | None = None,
-              repeats: int = 3, progress=None) -> list[tuple[Workload, Run]]:
+              repeats: int = 3, progress=None, kv_dtype: str | None = None) -> list[tuple[Workload, Run]]:
     """Every (workload, engine) pair; engines that cannot run here (transformers not
-    installed, no twin for this family) are skipped with a progress note."""
+    installed, no twin for this family) are skipped with a progress note. `kv_dtype`: the
+    twice engines' KV cache type (--kv-dtype; benchmark_kv.py sweeps them)."""
     say = progress or (lambda message: None)
     engines_by_name: dict[str, Engine] = {}
 
     def twice_engine(name: str) -> Engine:
         if name not in engines_by_name:
             engines_by_name[name] = Engine(model, tokenizer, compile=name == "twice-compiled",
-                                           native=name == "twice-native")
+                                           native=name == "twice-native", kv_dtype=kv_dtype)
         return engines_by_name[name]
 
     hf = None

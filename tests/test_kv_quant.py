@@ -172,8 +172,9 @@ def test_quantized_caches_track_the_float_cache(kv_models, family):
 
 
 # -- the native step reads the blocks as stored ----------------------------------------------
-def _rows(m, kv, starts=None, steps=20, dtype=torch.float32):
-    """Eager and native decode from the same prefilled quantized caches, step by step."""
+def _rows(m, kv, starts=None, steps=20, dtype=torch.float32, strict=True):
+    """Eager and native decode steps from the same quantized cache (b takes a's blocks before
+    every step, so each step starts equal): the worst logit difference, the caches after."""
     rows = 1 if starts is None else len(starts)
     native = NativeDecoder(m.model)
     a = KVCache(m.config, rows, 64, dtype, "cpu", kv_dtype=kv)
@@ -182,16 +183,28 @@ def _rows(m, kv, starts=None, steps=20, dtype=torch.float32):
     if starts is not None:
         a.starts = b.starts = torch.tensor(starts)
     ids = torch.tensor([list(range(3, 20))] * rows)
-    worst = 0.0
+    worst, flipped = 0.0, []
     with torch.inference_mode():
         m.model(ids, a)
-        m.model(ids, b)
         tok = torch.full((rows, 1), 42)
         for _ in range(steps):
+            b.k.copy_(a.k)
+            b.v.copy_(a.v)
+            b.length = a.length
             la = m.model(tok, a).float()
             lb = native(tok, b)
-            worst = max(worst, (la - lb).abs().max().item())
+            col = slice(a.length - 1, a.length)  # the column this step wrote: layer 0's from equal inputs
+            assert torch.equal(a.k[0, :, :, col], b.k[0, :, :, col]) and torch.equal(a.v[0, :, :, col], b.v[0, :, :, col])
+            # Later layers' new keys/values come from inputs equal but for the last bits; one that
+            # sits on a rounding boundary may land on the neighbouring level (a flip: a byte or
+            # two), and then the step's logits move by ~1e-3. Such steps are counted, not compared.
+            flips = int((a.k[:, :, :, col] != b.k[:, :, :, col]).sum() + (a.v[:, :, :, col] != b.v[:, :, :, col]).sum())
+            if flips and strict:
+                flipped.append(flips)
+            else:
+                worst = max(worst, (la - lb).abs().max().item())
             tok = la.argmax(-1, keepdim=True)
+    assert len(flipped) <= 3 and all(f <= 4 for f in flipped), flipped
     return worst, a, b
 
 
@@ -201,14 +214,30 @@ def _rows(m, kv, starts=None, steps=20, dtype=torch.float32):
 def test_native_attention_on_blocks_equals_the_dequantized_reference(kv_models, family, kv):
     m = load(str(kv_models(family)), device="cpu", dtype="float32")
     worst, a, b = _rows(m, kv)  # 37 columns: a window of 12 crossed
-    # The blocks' sums run in another order (d · Σ q·qs against Σ q·(d·qs)); the gemma2 tiny
-    # (weights drawn at 0.5, soft-caps) magnifies that to 5e-4, the others stay within 1e-4.
-    assert worst < (1e-3 if family.startswith("gemma") else 1e-4), worst
-    # the C side quantized the new keys/values to the very blocks the eager write made (every
-    # layer's; the first layer's also where later layers' inputs moved in the last bits)
-    layers = slice(0, 1) if family.startswith("gemma") else slice(None)
-    assert torch.equal(a.k[layers, :, :, : a.length], b.k[layers, :, :, : b.length])
-    assert torch.equal(a.v[layers, :, :, : a.length], b.v[layers, :, :, : b.length])
+    assert worst < 1e-4, worst  # measured ≤ 6e-6: only the sums' order differs from SDPA's
+
+
+@native_only
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_the_c_quantizer_writes_core_quants_blocks(kv):
+    import ctypes
+
+    lib = kernels.library()
+    lib.kv_blocks.restype = None
+    lib.kv_blocks.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=g) * torch.logspace(-6, 4, 64).unsqueeze(1)
+    x[0] = 0.0
+    x[1, 5] = -0.0
+    x[2] = torch.arange(32) - 15.5  # halves: ties of the rounding
+    x[3] = 1e-9 * torch.randn(32, generator=g)  # a subnormal fp16 scale
+    x[4, :] = 3.0
+    x[4, 7] = -3.0  # equal magnitudes: the first sets q4_0's sign
+    x = x.reshape(-1).contiguous()
+    code = {"q8_0": 8, "q4_0": 2}[kv]
+    out = torch.empty(x.numel() // 32 * (34 if kv == "q8_0" else 18), dtype=torch.uint8)
+    lib.kv_blocks(code, x.data_ptr(), out.data_ptr(), x.numel())
+    assert torch.equal(out, quant.quantize(x, kv.upper()))
 
 
 @native_only
@@ -223,7 +252,7 @@ def test_native_blocks_with_left_padded_rows(kv_models, family):
 def test_native_blocks_in_bfloat16_track_eager(kv_models):
     # eager dequantizes the blocks to bf16 (one more rounding); native reads them exactly
     m = load(str(kv_models("llama-hd64")), device="cpu", dtype="bfloat16")
-    worst, _, _ = _rows(m, "q8_0", steps=10, dtype=torch.bfloat16)
+    worst, _, _ = _rows(m, "q8_0", steps=10, dtype=torch.bfloat16, strict=False)
     assert worst < 0.1, worst
 
 
@@ -313,3 +342,35 @@ def test_perplexity_with_a_q8_0_cache(capsys, kv_models, tmp_path):
     r = run_inprocess(["perplexity", str(text), "-m", str(kv_models("llama-hd64")).replace("llama-hd64", "x"),
                        "--kv-dtype", "q9"], capsys)
     assert "--kv-dtype must be one of" in one_error_line(r)
+
+
+def test_bench_kv_sweeps_context_by_kv_dtype(capsys, kv_models, tmp_path):
+    folder, out = str(kv_models("llama-hd64")), tmp_path / "kv.json"
+    r = run_inprocess(["bench", "-m", folder, "--kv", "--quick", "--repeats", "1", "--threads", "1",
+                       "--json", str(out)], capsys)
+    assert r.code == 0, r.err
+    points = json.loads(out.read_text())["kv"]
+    assert [(p["kv_dtype"], p["context"]) for p in points] == [
+        (kv, n) for kv in ("float32", "q8_0", "q4_0") for n in (64, 128)]
+    by = {(p["kv_dtype"], p["context"]): p for p in points}
+    assert by["q8_0", 128]["kv_bytes"] * 4 * 32 == by["float32", 128]["kv_bytes"] * 34
+    assert by["q8_0", 128]["kv_bytes"] == 2 * 2 * 1 * 68 * 128
+    assert all(p["path"] == "native" and 0 < p["kv_share"] < 1 and p["decode_tokens_per_s"] > 0 for p in points)
+    assert "KV share" in r.out and "q4_0" in r.out
+    r = run_inprocess(["bench", "-m", folder, "--kv-batch", "2"], capsys)
+    assert one_error_line(r) == "twice: error: --kv-context and --kv-batch go with --kv"
+    r = run_inprocess(["bench", "-m", folder, "--kv", "--kv-dtype", "q5_k"], capsys)
+    assert "--kv-dtype must be one of" in one_error_line(r)
+
+
+def test_batch_cli_with_a_q8_0_cache(capsys, kv_models, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\nwhat is two and two\nx\n", encoding="utf-8")
+    folder = str(kv_models("mistral-hd32"))
+    outs = {}
+    for kv in ("q8_0", "q4_0"):
+        r = run_inprocess(["batch", str(prompts), "-m", folder, "--kv-dtype", kv, "-n", "6", "--temperature", "0",
+                           "--raw"], capsys)
+        assert r.code == 0, r.err
+        outs[kv] = [json.loads(line) for line in r.out.splitlines()]
+        assert len(outs[kv]) == 3

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -204,6 +204,9 @@ static inline int64_t kv_token_bytes(const Dims *d) {
 static inline float kv_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
     uint32_t u;
     float f;
@@ -271,47 +274,59 @@ static void kv_quantize(const Dims *d, const float *x, uint8_t *out, int64_t n) 
     }
 }
 
+/* kv_quantize for the tests (tests/test_kv_quant.py: the C blocks = core/quant's, bit for bit). */
+void kv_blocks(int64_t kv_type, const float *x, uint8_t *out, int64_t n) {
+    Dims d;
+    memset(&d, 0, sizeof d);
+    d.kv_type = kv_type;
+    kv_quantize(&d, x, out, n);
+}
+
 /* q · a key of blocks, and out += p · a value of blocks (n values, whole blocks): the int8 /
- * int4 numbers as stored, times their block's scale; no float copy of the cache. */
+ * int4 numbers as stored, times their block's scale (d · q is exact in float32: the value
+ * the reference dequantizes to), so the products are the reference's; the dot accumulates 32
+ * lanes over the blocks and sums them once. No float copy of the cache. */
 static float dot_blocks(const Dims *d, const float *q, const uint8_t *k, int64_t n) {
-    float s = 0.0f;
+    float acc[32] = {0};
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, k += 34, q += 32) {
             const int8_t *qs = (const int8_t *)(k + 2);
-            float t = 0.0f;
-            #pragma omp simd reduction(+ : t)
-            for (int i = 0; i < 32; i++) t += q[i] * (float)qs[i];
-            s += kv_f16(k) * t;
+            const float s = kv_f16(k);
+            #pragma omp simd
+            for (int i = 0; i < 32; i++) acc[i] += q[i] * (s * (float)qs[i]);
         }
     } else {
         for (int64_t b = 0; b < n / 32; b++, k += 18, q += 32) {
             const uint8_t *qs = k + 2;
-            float t = 0.0f;
-            #pragma omp simd reduction(+ : t)
-            for (int i = 0; i < 16; i++)
-                t += q[i] * (float)((int)(qs[i] & 15) - 8) + q[i + 16] * (float)((int)(qs[i] >> 4) - 8);
-            s += kv_f16(k) * t;
+            const float s = kv_f16(k);
+            #pragma omp simd
+            for (int i = 0; i < 16; i++) {
+                acc[i] += q[i] * (s * (float)((int)(qs[i] & 15) - 8));
+                acc[i + 16] += q[i + 16] * (s * (float)((int)(qs[i] >> 4) - 8));
+            }
         }
     }
-    return s;
+    float t = 0.0f;
+    for (int i = 0; i < 32; i++) t += acc[i];
+    return t;
 }
 
 static void axpy_blocks(const Dims *d, float p, const uint8_t *v, int64_t n, float *out) {
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, v += 34, out += 32) {
             const int8_t *qs = (const int8_t *)(v + 2);
-            const float w = p * kv_f16(v);
+            const float s = kv_f16(v);
             #pragma omp simd
-            for (int i = 0; i < 32; i++) out[i] += w * (float)qs[i];
+            for (int i = 0; i < 32; i++) out[i] += p * (s * (float)qs[i]);
         }
     } else {
         for (int64_t b = 0; b < n / 32; b++, v += 18, out += 32) {
             const uint8_t *qs = v + 2;
-            const float w = p * kv_f16(v);
+            const float s = kv_f16(v);
             #pragma omp simd
             for (int i = 0; i < 16; i++) {
-                out[i] += w * (float)((int)(qs[i] & 15) - 8);
-                out[i + 16] += w * (float)((int)(qs[i] >> 4) - 8);
+                out[i] += p * (s * (float)((int)(qs[i] & 15) - 8));
+                out[i + 16] += p * (s * (float)((int)(qs[i] >> 4) - 8));
             }
         }
     }

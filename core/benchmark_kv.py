@@ -1,0 +1,96 @@
+"""`twice bench --kv`: decode speed against context length, one column per KV cache type.
+
+For each --kv-dtype the prompt of the longest context is prefilled once (random token ids,
+one row, in chunks of 512), copied into every row of a batch cache, and the decode step is
+timed at each context length by setting the cache back to that many columns (the first N
+columns of the longest prefill are exactly the cache of its first N tokens). Each timing is
+the median over `repeats` rounds of `steps` decode steps (one untimed round first), through
+the step the engine would use for that cache (native, else eager: `path`).
+
+Per point: KV bytes (cache.bytes_per_token · batch · context: q8_0 34 bytes per 32 values),
+decode tokens/s (batch ÷ step time), the bytes one step reads (weights once + each row's K and
+V up to the mean position of the timed steps) and the KV share of those bytes; `speedup` is the
+step's speed against the first kv dtype of the sweep at the same context.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cache import KVCache
+from .device import synchronize
+from .engine import Engine
+
+CONTEXTS = (512, 1024, 2048, 4096)
+KV_DTYPES = ("auto", "q8_0", "q4_0")
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class KvPoint:
+    kv_dtype: str  # as the cache names it (float32, bfloat16, q8_0, q4_0)
+    context: int
+    batch: int
+    kv_bytes: int  # K and V of `context` tokens in every row
+    kv_bytes_per_token: int
+    step_s: float  # median decode step
+    decode_tokens_per_s: float  # batch / step_s
+    bytes_read_per_step: int
+    kv_share: float  # KV bytes read / all bytes read, per step
+    path: str  # native | eager
+    speedup: float = 1.0  # decode tok/s ÷ the sweep's first kv dtype's at this context
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: int = 16, repeats: int = 3,
+          progress=None) -> list[KvPoint]:
+    say = progress or (lambda message: None)
+    contexts = sorted(set(contexts))
+    top = contexts[-1]
+    config = model.config
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (1, top), generator=gen)
+    points: list[KvPoint] = []
+    for kv in kv_dtypes:
+        engine = Engine(model, None, kv_dtype=kv)
+        dev, dtype = engine.device, engine.dtype
+        say(f"--kv-dtype {kv}: prefilling {top:,} tokens")
+        one = KVCache(config, 1, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
+        engine._prefill(ids.to(dev), one, PREFILL_CHUNK)
+        cache = KVCache(config, batch, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
+        cache.k.copy_(one.k.expand_as(cache.k))
+        cache.v.copy_(one.v.expand_as(cache.v))
+        del one
+        native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
+        step = engine.fast if native else model
+        tokens = torch.full((batch, 1), 7, device=dev)
+        for n in contexts:
+            say(f"--kv-dtype {kv}: {steps} steps at {n:,} tokens, batch {batch}")
+            times = []
+            for r in range(repeats + 1):
+                cache.length = n
+                synchronize(dev)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(tokens, cache)
+                synchronize(dev)
+                if r:
+                    times.append((time.perf_counter() - t0) / steps)
+            step_s = statistics.median(times)
+            per_token = cache.bytes_per_token
+            kv_read = batch * per_token * int(n + steps / 2)
+            read = engine.weight_bytes + kv_read
+            points.append(KvPoint(cache.kv_dtype, n, batch, per_token * batch * n, per_token, step_s, batch / step_s,
+                                  read, kv_read / read, "native" if native else "eager"))
+        del cache
+    first = {p.context: p for p in points if p.kv_dtype == points[0].kv_dtype}
+    for p in points:
+        p.speedup = p.decode_tokens_per_s / first[p.context].decode_tokens_per_s
+    return points
