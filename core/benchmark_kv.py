@@ -1,7 +1,9 @@
 """`twice bench --kv`: decode speed against context length, one column per KV cache type.
 
-For each --kv-dtype the prompt of the longest context is prefilled once (random token ids,
-one row, in chunks of 512), copied into every row of a batch cache, and the decode step is
+The prompt of the longest context (random token ids, one row) is prefilled once in the model's
+dtype (chunks of 512); for each --kv-dtype its keys and values are encoded as that cache stores
+them (decode speed does not depend on the values: re-encoding spares a prefill per dtype),
+copied into every row of a batch cache, and the decode step is
 timed at each context length by setting the cache back to that many columns (the first N
 columns of the longest prefill are exactly the cache of its first N tokens). Each timing is
 the median over `repeats` rounds of `steps` decode steps (one untimed round first), through
@@ -58,16 +60,16 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (1, top), generator=gen)
     points: list[KvPoint] = []
+    base = Engine(model, None)
+    dev, dtype = base.device, base.dtype
+    say(f"prefilling {top:,} tokens")
+    one = KVCache(config, 1, top + steps, dtype, dev, kv_heads=model.kv_heads)
+    base._prefill(ids.to(dev), one, PREFILL_CHUNK)
     for kv in kv_dtypes:
         engine = Engine(model, None, kv_dtype=kv)
-        dev, dtype = engine.device, engine.dtype
-        say(f"--kv-dtype {kv}: prefilling {top:,} tokens")
-        one = KVCache(config, 1, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
-        engine._prefill(ids.to(dev), one, PREFILL_CHUNK)
         cache = KVCache(config, batch, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
-        cache.k.copy_(one.k.expand_as(cache.k))
-        cache.v.copy_(one.v.expand_as(cache.v))
-        del one
+        cache.k.copy_(cache.encode(one.k).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
+        cache.v.copy_(cache.encode(one.v).expand_as(cache.v))
         native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
         step = engine.fast if native else model
         tokens = torch.full((batch, 1), 7, device=dev)
@@ -90,6 +92,7 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
             points.append(KvPoint(cache.kv_dtype, n, batch, per_token * batch * n, per_token, step_s, batch / step_s,
                                   read, kv_read / read, "native" if native else "eager"))
         del cache
+    del one
     first = {p.context: p for p in points if p.kv_dtype == points[0].kv_dtype}
     for p in points:
         p.speedup = p.decode_tokens_per_s / first[p.context].decode_tokens_per_s
