@@ -341,3 +341,119 @@ def test_twice_writes_the_converters_gemma3_tensors(gemma3_converted, tmp_path):
                 for t in gguf.GGUFReader(str(p)).tensors}
 
     assert table(ours) == table(theirs)
+
+
+# -- mixtral (llama.cpp: the llama architecture with stacked experts) -------------------------
+
+_MOE_IN_MEMORY = {"mlp.gate.weight": "ffn_gate_inp", "mlp.experts.gate_up_proj": "ffn_gate_exps",
+                  "mlp.experts.down_proj": "ffn_down_exps"}
+
+
+def moe_reference(folder: Path, path: Path):
+    """transformers' mixtral with every weight round-tripped through its type in `path` (its
+    experts stacked in memory: gate_up_proj [experts, 2 · inter, hidden] rows of hidden values,
+    as the file's ffn_gate_exps / ffn_up_exps rows; down_proj as ffn_down_exps)."""
+    import re
+
+    from test_gguf_families import _round_trip
+    from transformers import AutoModelForCausalLM
+
+    from twice.weights.gguf_names import gguf_name
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    types = {t.name: t.tensor_type for t in read_gguf(path).tensors}
+    for name, p in model.named_parameters():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and m[2] in _MOE_IN_MEMORY:
+            g = f"blk.{m[1]}.{_MOE_IN_MEMORY[m[2]]}.weight"
+        else:
+            g = gguf_name(name, "llama", model.config.num_hidden_layers)
+        values = np.ascontiguousarray(p.detach().numpy(), dtype=np.float32)
+        flat = values.reshape(-1, values.shape[-1])
+        p.copy_(torch.from_numpy(np.ascontiguousarray(_round_trip(flat, types[g]))).reshape(p.shape))
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixtral_files(tmp_path_factory, model_dirs):
+    """kind → (folder, file): tiny mixtral (8 experts, top-2) without its window (llama.cpp's
+    llama architecture has none; a window is refused in one line) and `twice quantize`'s file."""
+    import json
+    import shutil
+
+    from twice.weights.gguf_write import write_gguf
+
+    root = tmp_path_factory.mktemp("mixtral-gguf")
+    folder = Path(shutil.copytree(model_dirs("mixtral"), root / "mixtral"))
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_window"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in made:
+            made[kind] = root / f"mixtral-{kind}.gguf"
+            write_gguf(folder, made[kind], kind, name="tiny random model")
+        return folder, made[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_mixtral_file_as_stored_and_dequantized_equals_transformers(mixtral_files, kind):
+    """Stacked ffn_{gate,up,down}_exps read into the stacked gate|up and down matrices (expert e's
+    rows contiguous), router F32, q/k permuted as llama: transformers' logits and greedy tokens."""
+    folder, path = mixtral_files(kind)
+    meta = read_gguf(path).metadata
+    assert (meta["general.architecture"], meta["llama.expert_count"], meta["llama.expert_used_count"]) == ("llama", 8, 2)
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    assert tuple(reversed(tensors["blk.0.ffn_gate_exps.weight"].shape)) == (8, 96, 64)
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    model = moe_reference(folder, path)
+    want = model(IDS).logits[0]
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
+    ids = IDS[:, :7]
+    assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
+
+
+def test_mixtral_with_a_window_is_one_line(model_dirs, tmp_path, capsys):
+    """tiny mixtral keeps its window of 12: llama.cpp's llama architecture cannot hold it."""
+    from clirun import run_inprocess
+
+    folder = model_dirs("mixtral")
+    out = tmp_path / "out.gguf"
+    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys)
+    assert r.code == 2, r
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and "mixtral with sliding_window" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_llama_cpp_loads_twice_mixtral(mixtral_files, kind):
+    folder, path = mixtral_files(kind)
+    ids = IDS[0].tolist()
+    got, _ = llama_logits(path, ids)
+    want = moe_reference(folder, path)(torch.tensor([ids])).logits[0]
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= {"f32": 2e-3, "q8_0": 0.1}[kind] * scale
+
+
+@pytest.mark.slow
+def test_converter_mixtral_is_what_twice_writes_and_reads(mixtral_files, tmp_path):
+    """llama.cpp's converter on the same folder: the tensors twice quantize writes, byte for
+    byte (f32), and twice reads its q8_0 file as transformers computes it."""
+    folder, ours = mixtral_files("f32")
+
+    def table(p):
+        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+                for t in gguf.GGUFReader(str(p)).tensors}
+
+    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(ours)
+    theirs = convert(folder, tmp_path / "theirs-q8_0.gguf", "q8_0")
+    stored = load(str(theirs), device="cpu", dtype="float32")
+    assert (logits(stored, IDS) - moe_reference(folder, theirs)(IDS).logits[0]).abs().max() < 1e-4

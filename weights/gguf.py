@@ -17,8 +17,10 @@ Three things llama.cpp changed on the way in are undone here:
 * the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
   the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
 
-Only what can be converted exactly is accepted: the llama, qwen2, qwen3, gpt2 and olmo2 architectures
-with the tokenizers gguf_tokenizer.py rebuilds. Anything else is refused with a one-line `UnsupportedModelError`;
+Only what can be converted exactly is accepted: the llama (also Mixtral: llama with stacked
+experts, read one slice per expert), qwen2, qwen3, gpt2, olmo2, phi3, gemma2 and gemma3
+architectures with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
+file: the 1 is subtracted). Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
 folder appears at `dest` only once it is complete (it is written beside it and renamed).
@@ -155,8 +157,10 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
         raise UnsupportedModelError(
             f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if metadata.get(f"{arch}.expert_count", 0):
-        raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models (e.g. Mixtral) are not supported")
+    experts = metadata.get(f"{arch}.expert_count", 0)
+    if experts and arch != "llama":
+        raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models are not supported (Mixtral, as "
+                                    "llama with experts, is)")
     if arch == "gpt2":
         return _gpt2_config(metadata, src)
 
@@ -209,6 +213,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
         _phi3_config(config, metadata, rotary, find, src)
     if arch in ("gemma2", "gemma3"):
         _gemma_config(config, metadata, arch, src)
+    if experts:
+        _mixtral_config(config, metadata, src)
     if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
         del config["mlp_bias"]
         if metadata.get("olmo2.attention.sliding_window"):
@@ -255,6 +261,19 @@ def _phi3_config(config: dict, metadata: dict, rotary: int, find, src: Path) -> 
     given = positive_float(metadata, "phi3.rope.scaling.attn_factor", src, default=implied)
     if abs(given - implied) > 1e-6 * implied:
         config["rope_scaling"]["attention_factor"] = float(given)
+
+
+def _mixtral_config(config: dict, metadata: dict, src: Path) -> None:
+    """Mixtral as llama.cpp holds it: the llama architecture with expert_count experts of
+    feed_forward_length rows, expert_used_count per token (softmax, top-k, renormalized), every
+    layer sparse, no window."""
+    experts = positive_int(metadata, "llama.expert_count", src)
+    used = positive_int(metadata, "llama.expert_used_count", src)
+    if used > experts:
+        raise WeightsError(f"{src}: llama.expert_used_count {used} exceeds llama.expert_count {experts}")
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
+                  num_experts_per_tok=used, sliding_window=None)
+    del config["attention_bias"], config["mlp_bias"]
 
 
 # Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
@@ -503,6 +522,14 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             del per_layer[f"{leaf}.weight"]
         per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)})
+    if config["model_type"] == "mixtral":  # every layer's MLP: a router and per-expert w1 (gate), w3 (up), w2 (down)
+        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            del per_layer[f"{leaf}.weight"]
+        per_layer["block_sparse_moe.gate.weight"] = (config["num_local_experts"], h)
+        for e in range(config["num_local_experts"]):
+            per_layer.update({f"block_sparse_moe.experts.{e}.w1.weight": (i, h),
+                              f"block_sparse_moe.experts.{e}.w3.weight": (i, h),
+                              f"block_sparse_moe.experts.{e}.w2.weight": (h, i)})
     if config["model_type"] in GEMMA_ARCHITECTURES:  # sandwich norms; gemma3: per-head q/k norms
         per_layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if config["model_type"] != "gemma2":
@@ -546,10 +573,10 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
         raise WeightsError(f"{src}: metadata says {layers} layers (block_count) but the file holds only {count} tensors")
     expected = _expected_shapes(config)
     found: dict[str, _TensorJob] = {}
-    for tensor in reader.tensors:
+    for tensor in _expert_slices(reader.tensors, config, src):
         if tensor.name in _CONSUMED_TENSORS:
             continue
-        name = hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
+        name = getattr(tensor, "hf", None) or hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
         if name is None:
             raise UnsupportedModelError(
                 f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model (experts and "
@@ -574,10 +601,35 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
     return [found[n] for n in expected if n in found]  # HF order: embeddings, layers, norm, head
 
 
+def _expert_slices(tensors, config: dict, src: Path):
+    """The file's tensors, each stacked expert tensor (blk.N.ffn_*_exps, [experts, rows, cols])
+    as one slice per expert under its per-expert checkpoint name (`hf`): the same file bytes,
+    expert e's rows being the e-th of the leading dimension (for float and block types alike)."""
+    import dataclasses
+
+    from .gguf_names import expert_hf_name
+
+    experts = config.get("num_local_experts", 0)
+    for tensor in tensors:
+        template = expert_hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
+        if template is None:
+            yield tensor
+            continue
+        if len(tensor.shape) != 3 or tensor.shape[2] != experts or tensor.n_bytes % experts:
+            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(reversed(tensor.shape))}, expected "
+                               f"{experts} experts first")
+        per = tensor.n_bytes // experts
+        for e in range(experts):
+            piece = dataclasses.replace(tensor, shape=tensor.shape[:2], n_elements=tensor.n_elements // experts,
+                                        n_bytes=per, data_offset=tensor.data_offset + e * per)
+            object.__setattr__(piece, "hf", template.replace("*", str(e)))
+            yield piece
+
+
 def _permuted_heads(gguf_name: str, config: dict) -> int:
     """llama.cpp permuted q_proj per attention head and k_proj per key/value head, for the
     llama architecture only (its RoPE rotates adjacent pairs there; qwen's rotates halves)."""
-    if config["model_type"] != "llama":
+    if config["model_type"] not in ("llama", "mixtral"):  # mixtral: llama.cpp's llama architecture
         return 0
     if gguf_name.endswith(".attn_q.weight"):
         return config["num_attention_heads"]

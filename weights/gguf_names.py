@@ -91,6 +91,17 @@ def hf_name(gguf_name: str, layers: int, arch: str = "llama") -> str | None:
     return None
 
 
+def expert_hf_name(gguf_name: str, layers: int, arch: str) -> str | None:
+    """The per-expert checkpoint name, `*` for the expert number, of a stacked expert tensor
+    (`blk.N.ffn_gate_exps.weight` → `model.layers.N.block_sparse_moe.experts.*.w1.weight`);
+    None for every other tensor."""
+    glob, table, prefix = TABLES.get(arch, _LLAMA)
+    match = _GGUF_LAYER.fullmatch(gguf_name)
+    if match and int(match[1]) < layers and "*" in table.get(match[2], ""):
+        return f"{prefix}.{int(match[1])}.{table[match[2]]}.{match[3]}"
+    return None
+
+
 def gguf_name(hf: str, arch: str, layers: int) -> str | None:
     """The GGUF name of a checkpoint tensor (GPT-2's with or without `transformer.`)."""
     glob, table, prefix = TABLES.get(arch, _LLAMA)

@@ -58,11 +58,14 @@ FILE_TYPES: dict[str, int] = {
 
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-                 "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                 "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                 "mixtral": "llama"}
+# Where a model's tensor names are not its architecture's table (gguf_names.TABLES).
+_NAMES = {"mixtral": "mixtral"}
 # Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
 # written as files (the writer would have to stack their experts as llama.cpp does).
 # gemma3 image-text checkpoints: their text model quantizes as gemma3_text's (files: not written).
-_IN_MEMORY_ONLY = {"mixtral": "mixtral", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
+_IN_MEMORY_ONLY = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -160,7 +163,7 @@ def write_gguf(folder: Path, out: Path, mixture: str, *, overwrite: bool = False
     _check_supported(config, raw, folder)
     metadata = _model_metadata(config, raw, arch, mixture, name or folder.name)
     metadata += _tokenizer_metadata(folder, config)
-    plans = _plan(folder, config, arch, mixture)
+    plans = _plan(folder, config, arch, mixture, _NAMES.get(config.model_type, arch))
     summary = Summary(str(out), name or str(folder), arch, mixture)
     summary.tensors = len(plans)
     for p in plans:
@@ -199,6 +202,9 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
     if config.model_type in _GEMMA:
         _check_gemma(config, folder)
         return
+    if config.model_type == "mixtral" and config.sliding_window is not None:
+        raise UnsupportedModelError(f"{folder}: mixtral with sliding_window has no GGUF form (llama.cpp holds mixtral "
+                                    "as its llama architecture, which has no window)")
     if config.hidden_act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
                                     f"{config.model_type} (llama.cpp uses SiLU)")
@@ -290,6 +296,9 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     rope = config.rope_parameters or {}
     if arch == "phi3":
         kv += _phi3_metadata(config, raw, rope)
+    if config.model_type == "mixtral":
+        kv += [("llama.expert_count", "uint32", config.options.experts),
+               ("llama.expert_used_count", "uint32", config.options.top_k)]
     if arch in ("gemma2", "gemma3"):
         kv += _gemma_metadata(config, arch)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
@@ -463,20 +472,25 @@ def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
             .reshape(weight.shape))
 
 
-def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[TensorPlan]:
+def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str, names: str | None = None) -> list[TensorPlan]:
     """Every output tensor, in llama.cpp's order, with its type checked to fit its rows."""
     from .checkpoint import checkpoint_files, iter_tensors
 
     files = checkpoint_files(folder, config)
     layers = config.num_hidden_layers
     found: dict[str, TensorPlan] = {}
+    stacked: dict[str, dict[int, tuple]] = {}  # stacked expert tensor → expert → (hf, file)
     unknown: list[str] = []
     for hf, tf in iter_tensors(files):
         if hf.endswith(_IGNORED):
             continue
-        name = gguf_name(hf, arch, layers)
+        name = gguf_name(hf, names or arch, layers)
         if name is None:
             unknown.append(hf)
+            continue
+        expert = re.search(r"\.experts\.(\d+)\.", hf)
+        if expert and name.endswith("_exps.weight"):
+            stacked.setdefault(name, {})[int(expert[1])] = (hf, tf)
             continue
         if name == "output.weight" and config.tie_word_embeddings:
             continue  # the head is the embedding: llama.cpp uses token_embd when output is absent
@@ -494,6 +508,8 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
         elif arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
             transform = ("shift", 1.0)  # gemma's (1 + w) norms hold w + 1 in llama.cpp's files
         found[name] = TensorPlan(name, shape, "F32", _reader(tf, hf, transform), source=hf)
+    for name, by_expert in stacked.items():
+        found[name] = _stacked_plan(name, by_expert, config, folder)
     if unknown:
         shown = ", ".join(unknown[:3]) + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
         raise UnsupportedModelError(f"{folder}: tensors with no GGUF counterpart in {arch}: {shown}")
@@ -510,6 +526,20 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str) -> list[Te
     for p in plans:
         p.type_name = choose(p)
     return plans
+
+
+def _stacked_plan(name: str, by_expert: dict[int, tuple], config: ModelConfig, folder: Path) -> TensorPlan:
+    """llama.cpp's stacked expert tensor ([experts, rows, cols]) from the per-expert ones."""
+    experts = config.options.experts
+    if sorted(by_expert) != list(range(experts)):
+        missing = sorted(set(range(experts)) - set(by_expert))
+        raise WeightsError(f"{folder}: {name} needs all {experts} experts; the checkpoint lacks expert {missing[0]}")
+    shapes = {tuple(tf.shape(hf)) for hf, tf in by_expert.values()}
+    if len(shapes) != 1:
+        raise WeightsError(f"{folder}: the experts of {name} differ in shape")
+    shape = (experts, *shapes.pop())
+    readers = [_reader(tf, hf, None) for hf, tf in (by_expert[e] for e in range(experts))]
+    return TensorPlan(name, shape, "F32", lambda: torch.stack([r() for r in readers]), source=by_expert[0][0])
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -616,7 +646,7 @@ def memory_types(config: ModelConfig, mixture: str, shapes: dict[str, tuple[int,
     choose = _type_chooser(mixture, arch, config, tied, where)
     types: dict[str, str] = {}
     for hf, shape in shapes.items():
-        name = gguf_name(hf, arch, config.num_hidden_layers)
+        name = gguf_name(hf, _NAMES.get(config.model_type, arch), config.num_hidden_layers)
         if name is None or (name == "output.weight" and tied):
             continue
         types[hf] = choose(TensorPlan(name, tuple(int(d) for d in shape), "F32", lambda: None, source=hf))
