@@ -349,7 +349,7 @@ _MOE_IN_MEMORY = {"mlp.gate.weight": "ffn_gate_inp", "mlp.experts.gate_up_proj":
                   "mlp.experts.down_proj": "ffn_down_exps"}
 
 
-def moe_reference(folder: Path, path: Path):
+def moe_reference(folder: Path, path: Path, arch: str = "llama"):
     """transformers' mixtral with every weight round-tripped through its type in `path` (its
     experts stacked in memory: gate_up_proj [experts, 2 · inter, hidden] rows of hidden values,
     as the file's ffn_gate_exps / ffn_up_exps rows; down_proj as ffn_down_exps)."""
@@ -367,7 +367,7 @@ def moe_reference(folder: Path, path: Path):
         if m and m[2] in _MOE_IN_MEMORY:
             g = f"blk.{m[1]}.{_MOE_IN_MEMORY[m[2]]}.weight"
         else:
-            g = gguf_name(name, "llama", model.config.num_hidden_layers)
+            g = gguf_name(name, arch, model.config.num_hidden_layers)
         values = np.ascontiguousarray(p.detach().numpy(), dtype=np.float32)
         flat = values.reshape(-1, values.shape[-1])
         p.copy_(torch.from_numpy(np.ascontiguousarray(_round_trip(flat, types[g]))).reshape(p.shape))
@@ -457,3 +457,84 @@ def test_converter_mixtral_is_what_twice_writes_and_reads(mixtral_files, tmp_pat
     theirs = convert(folder, tmp_path / "theirs-q8_0.gguf", "q8_0")
     stored = load(str(theirs), device="cpu", dtype="float32")
     assert (logits(stored, IDS) - moe_reference(folder, theirs)(IDS).logits[0]).abs().max() < 1e-4
+
+
+# -- qwen3_moe (llama.cpp's qwen3moe) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_files(tmp_path_factory, tokenizer):
+    """kind → (folder, file): tiny.py's qwen3_moe sizes (8 experts, top-3, renormalized) with
+    every layer sparse, as llama.cpp's qwen3moe has them (tiny.py's has a dense layer: refused
+    in one line), and `twice quantize`'s file."""
+    from transformers import AutoModelForCausalLM
+
+    import tiny
+    from twice.weights.gguf_write import write_gguf
+
+    root = tmp_path_factory.mktemp("qwen3moe-gguf")
+    folder = root / "qwen3_moe"
+    config = tiny.hf_config("qwen3_moe")
+    config.mlp_only_layers, config.decoder_sparse_step = [], 1
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    tiny.save_tokenizer(folder, tokenizer)
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in made:
+            made[kind] = root / f"qwen3moe-{kind}.gguf"
+            write_gguf(folder, made[kind], kind, name="tiny random model")
+        return folder, made[kind]
+
+    return get
+
+
+def _qwen_reference(folder: Path, path: Path):
+    """moe_reference for qwen3_moe's names (the same stacked experts in memory)."""
+    return moe_reference(folder, path, arch="qwen3moe")
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_qwen3moe_file_as_stored_and_dequantized_equals_transformers(qwen3moe_files, kind):
+    folder, path = qwen3moe_files(kind)
+    meta = read_gguf(path).metadata
+    assert (meta["general.architecture"], meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"],
+            meta["qwen3moe.expert_feed_forward_length"]) == ("qwen3moe", 8, 3, 32)
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    model = _qwen_reference(folder, path)
+    want = model(IDS).logits[0]
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
+    ids = IDS[:, :7]
+    assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
+
+
+@pytest.mark.parametrize("family, words", [("qwen3_moe", "qwen3_moe with dense layers"),
+                                           ("qwen3_moe-nonorm", "qwen3_moe with norm_topk_prob false")])
+def test_qwen3moe_without_a_gguf_form_is_one_line(model_dirs, tmp_path, capsys, family, words):
+    from clirun import run_inprocess
+
+    out = tmp_path / "out.gguf"
+    r = run_inprocess(["quantize", str(model_dirs(family)), str(out), "--type", "q8_0"], capsys)
+    assert r.code == 2, r
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and words in lines[0], r.err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_llama_cpp_and_the_converter_on_qwen3moe(qwen3moe_files, tmp_path):
+    """llama.cpp loads twice's file (f32: within its f16 KV cache's rounding); its converter
+    writes the same tensors byte for byte."""
+    folder, path = qwen3moe_files("f32")
+    got, _ = llama_logits(path, IDS[0].tolist())
+    want = _qwen_reference(folder, path)(IDS).logits[0]
+    assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max())
+
+    def table(p):
+        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+                for t in gguf.GGUFReader(str(p)).tensors}
+
+    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(path)

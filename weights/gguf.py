@@ -19,7 +19,7 @@ Three things llama.cpp changed on the way in are undone here:
 
 Only what can be converted exactly is accepted: the llama (also Mixtral: llama with stacked
 experts, read one slice per expert), qwen2, qwen3, gpt2, olmo2, phi3, gemma2 and gemma3
-architectures with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
+architectures (and qwen3moe) with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
 file: the 1 is subtracted). Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
@@ -48,13 +48,14 @@ from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "qwen3moe")
 # GGUF architecture → the Hugging Face class its config names.
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                      "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM",
-                     "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                     "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                     "qwen3moe": "Qwen3MoeForCausalLM"}
 # GGUF architecture → the Hugging Face model_type (where they differ).
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -158,7 +159,7 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
             f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     experts = metadata.get(f"{arch}.expert_count", 0)
-    if experts and arch != "llama":
+    if experts and arch not in ("llama", "qwen3moe"):
         raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models are not supported (Mixtral, as "
                                     "llama with experts, is)")
     if arch == "gpt2":
@@ -213,8 +214,10 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
         _phi3_config(config, metadata, rotary, find, src)
     if arch in ("gemma2", "gemma3"):
         _gemma_config(config, metadata, arch, src)
-    if experts:
+    if experts and arch == "llama":
         _mixtral_config(config, metadata, src)
+    if arch == "qwen3moe":
+        _qwen3moe_config(config, metadata, src)
     if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
         del config["mlp_bias"]
         if metadata.get("olmo2.attention.sliding_window"):
@@ -274,6 +277,19 @@ def _mixtral_config(config: dict, metadata: dict, src: Path) -> None:
     config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
                   num_experts_per_tok=used, sliding_window=None)
     del config["attention_bias"], config["mlp_bias"]
+
+
+def _qwen3moe_config(config: dict, metadata: dict, src: Path) -> None:
+    """Qwen3-MoE as llama.cpp runs it (models/qwen3moe.cpp): every layer sparse, experts of
+    expert_feed_forward_length rows, the top-k weights always renormalized, q/k norms per head."""
+    experts = positive_int(metadata, "qwen3moe.expert_count", src)
+    used = positive_int(metadata, "qwen3moe.expert_used_count", src)
+    if used > experts:
+        raise WeightsError(f"{src}: qwen3moe.expert_used_count {used} exceeds qwen3moe.expert_count {experts}")
+    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], moe_intermediate_size=positive_int(metadata, "qwen3moe.expert_feed_forward_length",
+                                                                          src))
+    del config["mlp_bias"]
 
 
 # Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
@@ -530,6 +546,15 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             per_layer.update({f"block_sparse_moe.experts.{e}.w1.weight": (i, h),
                               f"block_sparse_moe.experts.{e}.w3.weight": (i, h),
                               f"block_sparse_moe.experts.{e}.w2.weight": (h, i)})
+    if config["model_type"] == "qwen3_moe":  # qwen3's attention; every layer: a router and per-expert MLPs
+        d, m = config["head_dim"], config["moe_intermediate_size"]
+        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            del per_layer[f"{leaf}.weight"]
+        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                          "mlp.gate.weight": (config["num_experts"], h)})
+        for e in range(config["num_experts"]):
+            per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (m, h), f"mlp.experts.{e}.up_proj.weight": (m, h),
+                              f"mlp.experts.{e}.down_proj.weight": (h, m)})
     if config["model_type"] in GEMMA_ARCHITECTURES:  # sandwich norms; gemma3: per-head q/k norms
         per_layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if config["model_type"] != "gemma2":
@@ -609,7 +634,7 @@ def _expert_slices(tensors, config: dict, src: Path):
 
     from .gguf_names import expert_hf_name
 
-    experts = config.get("num_local_experts", 0)
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
     for tensor in tensors:
         template = expert_hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
         if template is None:

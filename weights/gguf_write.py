@@ -59,13 +59,13 @@ FILE_TYPES: dict[str, int] = {
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                  "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                 "mixtral": "llama"}
+                 "mixtral": "llama", "qwen3_moe": "qwen3moe"}
 # Where a model's tensor names are not its architecture's table (gguf_names.TABLES).
 _NAMES = {"mixtral": "mixtral"}
 # Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
 # written as files (the writer would have to stack their experts as llama.cpp does).
 # gemma3 image-text checkpoints: their text model quantizes as gemma3_text's (files: not written).
-_IN_MEMORY_ONLY = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
+_IN_MEMORY_ONLY = {"qwen2_moe": "qwen2moe", "gemma3": "gemma3"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -205,6 +205,16 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
     if config.model_type == "mixtral" and config.sliding_window is not None:
         raise UnsupportedModelError(f"{folder}: mixtral with sliding_window has no GGUF form (llama.cpp holds mixtral "
                                     "as its llama architecture, which has no window)")
+    if config.model_type == "qwen3_moe":
+        o = config.options
+        if not o.renormalize:
+            raise UnsupportedModelError(f"{folder}: qwen3_moe with norm_topk_prob false has no GGUF form (llama.cpp's "
+                                        "qwen3moe always renormalizes the top-k weights)")
+        if not all(o.sparse):
+            raise UnsupportedModelError(f"{folder}: qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
+                                        "has no GGUF form (llama.cpp's qwen3moe makes every layer sparse)")
+        if config.sliding_window is not None:
+            raise UnsupportedModelError(f"{folder}: qwen3_moe with sliding_window has no GGUF form")
     if config.hidden_act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
                                     f"{config.model_type} (llama.cpp uses SiLU)")
@@ -296,9 +306,11 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     rope = config.rope_parameters or {}
     if arch == "phi3":
         kv += _phi3_metadata(config, raw, rope)
-    if config.model_type == "mixtral":
-        kv += [("llama.expert_count", "uint32", config.options.experts),
-               ("llama.expert_used_count", "uint32", config.options.top_k)]
+    if config.model_type in ("mixtral", "qwen3_moe"):
+        kv += [(f"{arch}.expert_count", "uint32", config.options.experts),
+               (f"{arch}.expert_used_count", "uint32", config.options.top_k)]
+    if config.model_type == "qwen3_moe":
+        kv.append(("qwen3moe.expert_feed_forward_length", "uint32", config.options.expert_intermediate))
     if arch in ("gemma2", "gemma3"):
         kv += _gemma_metadata(config, arch)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
