@@ -40,8 +40,8 @@ _OLMO2 = (
 )
 # Mixtures of experts (core/moe.py): llama.cpp stacks the experts of a layer in one tensor
 # (ffn_gate_exps [experts, inter, hidden], ...); a checkpoint's per-expert tensors all name it
-# (`experts.*.` stands for any expert number; only checkpoint → GGUF names use these, for
-# --quantize's types: reading and writing such files is not done yet).
+# (`experts.*.` stands for any expert number). Writing stacks them (gguf_write._stacked_plan),
+# reading slices them back per expert (expert_hf_name, gguf._expert_slices).
 _EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.*.gate_proj",
             "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj",
             "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",

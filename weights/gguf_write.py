@@ -24,7 +24,9 @@ as Phi3MiniModel writes them), gemma2 and gemma3 (gemma3_text): every norm's wei
 Gemma2Model/Gemma3Model write it, the soft-caps, the window and the sliding layers (one flag per
 layer, attention.sliding_window_pattern), gemma3's local RoPE base (rope.freq_base_swa); a
 query_pre_attn_scalar other than the one llama.cpp derives (head_dim; hidden / heads for the
-27B's layer count) is refused, as is a gemma2 with an untied head or without caps.
+27B's layer count) is refused, as is a gemma2 with an untied head or without caps; mixtral (as
+llama with llama.expert_count / expert_used_count) and qwen3moe: each layer's per-expert
+tensors stacked into ffn_{gate,up,down}_exps [experts, rows, cols], the router ffn_gate_inp F32.
 Everything that can be refused is checked before a byte is written; the file is written
 beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
