@@ -52,24 +52,23 @@ class KvPoint:
 
 @torch.inference_mode()
 def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: int = 16, repeats: int = 3,
-          progress=None) -> list[KvPoint]:
+          progress=None, prefilled: KVCache | None = None) -> list[KvPoint]:
+    """`prefilled`: a one-row cache in the model's dtype holding at least max(contexts) tokens
+    (prefill(): several sweeps over one prompt, scripts/bench_kv.py)."""
     say = progress or (lambda message: None)
     contexts = sorted(set(contexts))
     top = contexts[-1]
     config = model.config
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, config.vocab_size, (1, top), generator=gen)
     points: list[KvPoint] = []
-    base = Engine(model, None)
-    dev, dtype = base.device, base.dtype
-    say(f"prefilling {top:,} tokens")
-    one = KVCache(config, 1, top + steps, dtype, dev, kv_heads=model.kv_heads)
-    base._prefill(ids.to(dev), one, PREFILL_CHUNK)
+    one = prefilled if prefilled is not None else prefill(model, top + steps, top, say)
+    one = one.k[:, :, :, : top + steps], one.v[:, :, :, : top + steps]
+    first_param = next(model.parameters())
+    dev, dtype = first_param.device, first_param.dtype
     for kv in kv_dtypes:
         engine = Engine(model, None, kv_dtype=kv)
         cache = KVCache(config, batch, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
-        cache.k.copy_(cache.encode(one.k).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
-        cache.v.copy_(cache.encode(one.v).expand_as(cache.v))
+        cache.k.copy_(cache.encode(one[0]).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
+        cache.v.copy_(cache.encode(one[1]).expand_as(cache.v))
         native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
         step = engine.fast if native else model
         tokens = torch.full((batch, 1), 7, device=dev)
@@ -97,3 +96,14 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
     for p in points:
         p.speedup = p.decode_tokens_per_s / first[p.context].decode_tokens_per_s
     return points
+
+
+@torch.inference_mode()
+def prefill(model, capacity: int, tokens: int, progress=None) -> KVCache:
+    """One row of `tokens` random token ids prefilled in the model's dtype (chunks of 512)."""
+    (progress or (lambda message: None))(f"prefilling {tokens:,} tokens")
+    engine = Engine(model, None)
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    one = KVCache(model.config, 1, capacity, engine.dtype, engine.device, kv_heads=model.kv_heads)
+    engine._prefill(ids.to(engine.device), one, PREFILL_CHUNK)
+    return one

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -286,7 +286,43 @@ void kv_blocks(int64_t kv_type, const float *x, uint8_t *out, int64_t n) {
  * int4 numbers as stored, times their block's scale (d · q is exact in float32: the value
  * the reference dequantizes to), so the products are the reference's; the dot accumulates 32
  * lanes over the blocks and sums them once. No float copy of the cache. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* Q8_0 on 8-lane vectors: per block the 32 int8 widened to float and multiplied with q, the
+ * block's sum scaled by d once (d · Σ q·qs: the reference's products up to rounding order). */
+static inline __m256 q8_widen(__m128i b8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)); }
+
+static float dot_q8_avx2(const float *q, const uint8_t *k, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, k += 34, q += 32) {
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(k + 2)), hi = _mm_loadu_si128((const __m128i *)(k + 18));
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(q), q8_widen(lo));
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), q8_widen(_mm_srli_si128(lo, 8)), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), q8_widen(hi), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), q8_widen(_mm_srli_si128(hi, 8)), t);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(kv_f16(k)), t, acc);
+    }
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+static void axpy_q8_avx2(float p, const uint8_t *v, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, v += 34, out += 32) {
+        const __m256 w = _mm256_set1_ps(p * kv_f16(v));
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(v + 2)), hi = _mm_loadu_si128((const __m128i *)(v + 18));
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(w, q8_widen(lo), _mm256_loadu_ps(out)));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(w, q8_widen(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(out + 8)));
+        _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(w, q8_widen(hi), _mm256_loadu_ps(out + 16)));
+        _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(w, q8_widen(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(out + 24)));
+    }
+}
+#endif
+
 static float dot_blocks(const Dims *d, const float *q, const uint8_t *k, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d->kv_type == KV_Q8_0) return dot_q8_avx2(q, k, n / 32);
+#endif
     float acc[32] = {0};
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, k += 34, q += 32) {
@@ -312,6 +348,9 @@ static float dot_blocks(const Dims *d, const float *q, const uint8_t *k, int64_t
 }
 
 static void axpy_blocks(const Dims *d, float p, const uint8_t *v, int64_t n, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d->kv_type == KV_Q8_0) { axpy_q8_avx2(p, v, n / 32, out); return; }
+#endif
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, v += 34, out += 32) {
             const int8_t *qs = (const int8_t *)(v + 2);
