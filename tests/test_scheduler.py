@@ -17,6 +17,17 @@ PROMPTS = [list(range(3, 8)), list(range(10, 29)), list(range(40, 51)), list(ran
 NEW = [14, 6, 11, 16, 9, 5, 12]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster than two fighting a busy machine for its cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def llama(model_dirs):
     m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="float32")
