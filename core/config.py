@@ -218,7 +218,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     for old, new in fam.aliases.items():
         if old in raw and raw[old] is not None:
             d[new] = raw[old]
-    d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window",)})
+    # null means "none" for the fields a family says so of (a window, a soft-cap), else "the default"
+    d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window", *fam.nullable)})
     fam.complete(d)
     f = Fields(d, source)
 

@@ -42,6 +42,8 @@ class Family:
     # Fills defaults that depend on other fields, in the merged dict, before it is read
     # (GPT-2's intermediate size of 4 · hidden).
     complete: Callable[[dict], None] = lambda d: None
+    # Fields whose explicit null in a config.json means "none" (no soft-cap), not the default.
+    nullable: tuple[str, ...] = ()
     # Rotary position embeddings (rope_theta / rope_scaling / rope_parameters are read and
     # checked); False for learned absolute positions.
     rotary: bool = True

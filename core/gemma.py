@@ -286,5 +286,6 @@ FAMILY = Family(
     defaults={"gemma2": GEMMA2_DEFAULTS, "gemma3_text": GEMMA3_TEXT_DEFAULTS,
               "gemma3": dict(tie_word_embeddings=True)},
     complete=complete,
+    nullable=("attn_logit_softcapping", "final_logit_softcapping"),  # null: no cap, as transformers reads it
     hf_config={"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config"},
 )

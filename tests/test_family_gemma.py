@@ -336,3 +336,14 @@ def test_transformers_twin_kwargs(model_dirs, family):
     saved = getattr(transformers, name).from_pretrained(folder)
     assert rebuilt.rope_parameters == saved.rope_parameters
     assert rebuilt.layer_types == saved.layer_types and rebuilt.sliding_window == saved.sliding_window
+
+
+def test_a_null_softcap_is_no_cap():
+    """transformers reads `attn_logit_softcapping: null` as no cap, not as Gemma2Config's default of 50."""
+    from transformers import Gemma2Config
+
+    raw = {**Gemma2Config(num_hidden_layers=2).to_dict(), "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    c = config_from_dict(raw)
+    assert c.options.attn_logit_softcapping is None and c.options.final_logit_softcapping is None
+    raw.pop("attn_logit_softcapping")  # absent: the default applies
+    assert config_from_dict(raw).options.attn_logit_softcapping == 50.0
