@@ -66,8 +66,8 @@ def generate(
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   truncate, threads)
     o.check_speculation(draft, draft_tokens, lookup, tp)
-    o.check_kv_dtype(kv_dtype)
     constraint = o.constraint_spec(json_schema, json_object, regex, grammar, draft, lookup)  # read and compiled now
+    o.check_kv_dtype(kv_dtype)
     from .prompt_cache import check_options as check_prompt_cache
 
     check_prompt_cache(prompt_cache, prompt_cache_ro, tp)
@@ -90,7 +90,7 @@ def generate(
         _generate(text, model, revision, launch.device if launch.world > 1 else device, dtype, max_new_tokens,
                   temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, system, chat, prefill_chunk,
                   truncate, timing, compile, as_json, no_color, shard, quiet=launch.rank != 0, stats=stats,
-                  weights=weights, constraint=constraint, speculation=(draft, draft_tokens, lookup),
+                  weights=weights, constraint=constraint, speculation=(draft, draft_tokens, lookup), kv_dtype=kv_dtype,
                   prompt_cache=(prompt_cache, prompt_cache_ro))
     finally:
         finish(launch)
