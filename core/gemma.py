@@ -52,9 +52,9 @@ from .config import ModelConfig, layer_types_from, normalize_rope, size_field
 from .errors import TwiceError, UnsupportedModelError
 from .family import Family, attention_parameters
 from .fields import Fields, show
-from .layers import Embedding, GatedMLP, Linear, OffsetRMSNorm
+from .layers import GatedMLP, OffsetRMSNorm
 from .llama import LlamaModel
-from .model import CausalLM, Target
+from .model import Target
 from .parallel import SINGLE, Shard
 from .rope import RotaryTables, apply_rotary
 
@@ -103,20 +103,15 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 class GemmaModel(LlamaModel):
     """llama's checkpoint names plus the two feed-forward norms; llama's module names."""
 
+    Block = Block
+    Norm = OffsetRMSNorm
+
     def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
-        CausalLM.__init__(self, config, shard)  # llama's layers are not built: gemma's are
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.vocab_parallel = shard.active and config.vocab_size % shard.world == 0
-            rows = config.vocab_size // shard.world if self.vocab_parallel else config.vocab_size
-            self.lm_head = Linear(config.hidden_size, rows, bias=False)
+        super().__init__(config, shard)
         self.options: GemmaOptions = config.options
         self.multimodal = config.model_type == "gemma3"
         if self.multimodal:
             self.unused_prefixes = _VISION_PREFIXES
-        self.rope: RotaryTables | None = None
         self.rope_local: RotaryTables | None = None
         self.embed_scale: torch.Tensor | None = None
 

@@ -42,11 +42,16 @@ class Block(torch.nn.Module):
 
 
 class LlamaModel(CausalLM):
+    # What a family built on llama's embedding, RoPE, final norm and head swaps in (gemma,
+    # olmo2, the MoE families): its block (config, layer, shard) and its norm class.
+    Block = Block
+    Norm = RMSNorm
+
     def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
         super().__init__(config, shard)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = torch.nn.ModuleList(self.Block(config, i, shard) for i in range(config.num_hidden_layers))
+        self.norm = self.Norm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             # Split by vocabulary rows across ranks when it divides evenly; else replicated.
             self.vocab_parallel = shard.active and config.vocab_size % shard.world == 0

@@ -33,9 +33,9 @@ from .errors import ConfigError
 from .experts import SparseMoE, expert_targets
 from .family import Family, attention_parameters
 from .fields import Fields, show
-from .layers import Embedding, GatedMLP, Linear, RMSNorm
+from .layers import GatedMLP, RMSNorm
 from .llama import LlamaModel
-from .model import CausalLM, Target, columns, fused_rows
+from .model import Target, columns, fused_rows
 from .parallel import SINGLE, Shard
 
 
@@ -84,16 +84,7 @@ class Block(torch.nn.Module):
 class MoeModel(LlamaModel):
     """LlamaModel's embedding, RoPE, final norm and head (and its hidden_states), with these blocks."""
 
-    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
-        CausalLM.__init__(self, config, shard)  # not LlamaModel's: its blocks would allocate dense MLPs
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.vocab_parallel = shard.active and config.vocab_size % shard.world == 0
-            rows = config.vocab_size // shard.world if self.vocab_parallel else config.vocab_size
-            self.lm_head = Linear(config.hidden_size, rows, bias=False)
-        self.rope = None
+    Block = Block
 
     def features(self) -> frozenset[str]:
         extra = {"moe"} | ({"moe:shared"} if self.config.options.shared_intermediate else set())

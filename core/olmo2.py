@@ -25,10 +25,10 @@ from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .family import Family, attention_parameters
 from .fields import Fields
-from .layers import Embedding, GatedMLP, Linear, RMSNorm
-from .model import CausalLM, Target, fused_rows
+from .layers import GatedMLP, RMSNorm
+from .llama import LlamaModel
+from .model import Target, fused_rows
 from .parallel import SINGLE, Shard
-from .rope import RotaryTables, apply_rotary
 
 
 class Olmo2RMSNorm(RMSNorm):
@@ -63,7 +63,7 @@ class Olmo2Attention(CachedSelfAttention):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: Shard = SINGLE):
         super().__init__()
         c = config
         self.self_attn = Olmo2Attention(c, layer)
@@ -76,42 +76,22 @@ class Block(torch.nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(CausalLM):
+class Olmo2Model(LlamaModel):
+    """llama's embedding, RoPE, final norm and head (and hidden_states), with olmo2's blocks and norms."""
+
+    Block = Block
+    Norm = Olmo2RMSNorm
+
     def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
         if shard.active:
             raise UnsupportedModelError("tensor parallelism (--tp) is not implemented for olmo2: its q/k norms span "
                                         "every head of the projection")
-        super().__init__(config)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope: RotaryTables | None = None
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        super().__init__(config, shard)
 
     def features(self) -> frozenset[str]:
         c = self.config
         flags = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias}
         return frozenset({"block:post_norm", "qk_norm:full", f"act:{c.hidden_act}"} | {k for k, v in flags.items() if v})
-
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.rope = RotaryTables(self.config, device, dtype)
-
-    def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
-        self.rope.ensure(step.column + input_ids.shape[1])
-        cos, sin = self.rope.lookup(step.positions)
-
-        def rope(x: torch.Tensor) -> torch.Tensor:
-            return apply_rotary(x, cos, sin)
-
-        x = self.embed_tokens(input_ids)
-        for block in self.layers:
-            x = block(x, step, cache, rope)
-        return self.norm(x)
 
     def targets(self) -> dict[str, Target]:
         c = self.config
