@@ -45,18 +45,7 @@ def _float_products(monkeypatch):
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, model_dirs):
     """(family, kind) → the tiny model written by `twice quantize --type kind` (once per module)."""
-    root = tmp_path_factory.mktemp("families-gguf")
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(family: str, kind: str) -> Path:
-        if (family, kind) not in made:
-            from twice.weights.gguf_write import write_gguf
-
-            made[family, kind] = root / f"{family}-{kind}.gguf"
-            write_gguf(model_dirs(family), made[family, kind], kind)
-        return made[family, kind]
-
-    return get
+    return tiny.gguf_files(tmp_path_factory.mktemp("families-gguf"), model_dirs)
 
 
 def _round_trip(values: np.ndarray, qtype) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiny
 from llamacpp import convert, llama_logits
 from test_gguf_families import IDS, TEXTS, _float_products, hf_greedy, load_tokenizer, logits, reference  # noqa: F401
 from twice.core.engine import Engine, GenerationSettings, Request
@@ -54,18 +55,7 @@ def written(tmp_path_factory, model_dirs):
     """(family, kind) → the tiny model written by `twice quantize --type kind` (once per module),
     named "tiny random model": llama.cpp sets token attributes by general.name, and for a name
     with "phi3" in it looks up Phi-3's "</s>", which the tiny vocabulary does not have."""
-    root = tmp_path_factory.mktemp("families2-gguf")
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(family: str, kind: str) -> Path:
-        if (family, kind) not in made:
-            from twice.weights.gguf_write import write_gguf
-
-            made[family, kind] = root / f"{family}-{kind}.gguf"
-            write_gguf(model_dirs(family), made[family, kind], kind, name="tiny random model")
-        return made[family, kind]
-
-    return get
+    return tiny.gguf_files(tmp_path_factory.mktemp("families2-gguf"), model_dirs, name="tiny random model")
 
 
 def greedy(loaded, ids: torch.Tensor, n: int = 32) -> list[int]:
@@ -181,18 +171,7 @@ def gemma_dirs(tmp_path_factory, model_dirs):
 
 @pytest.fixture(scope="module")
 def gemma_files(tmp_path_factory, gemma_dirs):
-    root = tmp_path_factory.mktemp("gemma-files")
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(family: str, kind: str) -> Path:
-        if (family, kind) not in made:
-            from twice.weights.gguf_write import write_gguf
-
-            made[family, kind] = root / f"{family}-{kind}.gguf"
-            write_gguf(gemma_dirs(family), made[family, kind], kind, name="tiny random model")
-        return made[family, kind]
-
-    return get
+    return tiny.gguf_files(tmp_path_factory.mktemp("gemma-files"), gemma_dirs, name="tiny random model")
 
 
 @pytest.mark.parametrize("family", GEMMA)
@@ -381,22 +360,13 @@ def mixtral_files(tmp_path_factory, model_dirs):
     import json
     import shutil
 
-    from twice.weights.gguf_write import write_gguf
-
     root = tmp_path_factory.mktemp("mixtral-gguf")
     folder = Path(shutil.copytree(model_dirs("mixtral"), root / "mixtral"))
     config = json.loads((folder / "config.json").read_text())
     config["sliding_window"] = None
     (folder / "config.json").write_text(json.dumps(config))
-    made: dict[str, Path] = {}
-
-    def get(kind: str) -> tuple[Path, Path]:
-        if kind not in made:
-            made[kind] = root / f"mixtral-{kind}.gguf"
-            write_gguf(folder, made[kind], kind, name="tiny random model")
-        return folder, made[kind]
-
-    return get
+    files = tiny.gguf_files(root, lambda _: folder, name="tiny random model")
+    return lambda kind: (folder, files("mixtral", kind))
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
@@ -469,9 +439,6 @@ def qwen3moe_files(tmp_path_factory, tokenizer):
     in one line), and `twice quantize`'s file."""
     from transformers import AutoModelForCausalLM
 
-    import tiny
-    from twice.weights.gguf_write import write_gguf
-
     root = tmp_path_factory.mktemp("qwen3moe-gguf")
     folder = root / "qwen3_moe"
     config = tiny.hf_config("qwen3_moe")
@@ -479,15 +446,8 @@ def qwen3moe_files(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
     tiny.save_tokenizer(folder, tokenizer)
-    made: dict[str, Path] = {}
-
-    def get(kind: str) -> tuple[Path, Path]:
-        if kind not in made:
-            made[kind] = root / f"qwen3moe-{kind}.gguf"
-            write_gguf(folder, made[kind], kind, name="tiny random model")
-        return folder, made[kind]
-
-    return get
+    files = tiny.gguf_files(root, lambda _: folder, name="tiny random model")
+    return lambda kind: (folder, files("qwen3moe", kind))
 
 
 def _qwen_reference(folder: Path, path: Path):

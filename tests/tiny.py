@@ -92,8 +92,6 @@ def hf_config(family: str):
         extra = {} if family == "phi3" else {"sliding_window": 12}
         return Phi3Config(**{**common, "max_position_embeddings": longest, "original_max_position_embeddings": original,
                              "rope_parameters": rope, "pad_token_id": 0, **extra})
-    if family in ("gemma2", "gemma3", "gemma3-mm"):
-        return gemma_config(family, common)
     if family == "mixtral":  # 8 experts, top-2, a window the tests' prompts cross
         from transformers import MixtralConfig
 
@@ -111,6 +109,8 @@ def hf_config(family: str):
         return Qwen2MoeConfig(**{**common, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                  "shared_expert_intermediate_size": 64, "use_sliding_window": True,
                                  "sliding_window": 12, "max_window_layers": 2})
+    if family in ("gemma2", "gemma3", "gemma3-mm"):
+        return gemma_config(family, common)
     raise KeyError(family)
 
 
@@ -140,7 +140,7 @@ def gemma_config(family: str, common: dict):
                         tie_word_embeddings=True)
 
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_moe-nonorm", "qwen2_moe"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2", "mixtral", "qwen3_moe", "qwen3_moe-nonorm", "qwen2_moe", "gemma2", "gemma3"]
 
 
 def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:
@@ -204,3 +204,20 @@ def cpu_flags() -> set[str]:
     from twice.core.device import cpu_flags as flags
 
     return flags()
+
+
+def gguf_files(root: Path, dirs, name: str | None = None):
+    """(family, kind) → the tiny model of `dirs(family)` written by `twice quantize --type kind`
+    into `root`, once each. `name` sets general.name (llama.cpp picks token attributes by it)."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, kind: str) -> Path:
+        if (family, kind) not in made:
+            from twice.weights.gguf_write import write_gguf
+
+            made[family, kind] = root / f"{family}-{kind}.gguf"
+            extra = {} if name is None else {"name": name}
+            write_gguf(dirs(family), made[family, kind], kind, **extra)
+        return made[family, kind]
+
+    return get
