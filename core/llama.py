@@ -31,10 +31,14 @@ class Block(torch.nn.Module):
             c.hidden_size, heads, kv_heads, c.head_dim, c.qkv_bias, c.o_bias, scale=c.head_dim**-0.5, layer=layer,
             window=c.window_for_layer(layer), qk_norm=norms[0], k_norm=norms[1], shard=shard,
         )
-        intermediate = shard.part(c.intermediate_size, "intermediate_size")[1]
-        self.mlp = GatedMLP(c.hidden_size, intermediate, c.hidden_act, c.mlp_bias, shard=shard)
+        self.mlp = self.make_mlp(c, layer, shard)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def make_mlp(self, c: ModelConfig, layer: int, shard: Shard) -> torch.nn.Module:
+        """The layer's feed-forward part (a mixture of experts' blocks swap in theirs)."""
+        intermediate = shard.part(c.intermediate_size, "intermediate_size")[1]
+        return GatedMLP(c.hidden_size, intermediate, c.hidden_act, c.mlp_bias, shard=shard)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), step, cache, rope)

@@ -26,17 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import CachedSelfAttention, Step
-from .cache import KVCache
 from .config import ModelConfig, layer_types_from, size_field
 from .errors import ConfigError
 from .experts import SparseMoE, expert_targets
 from .family import Family, attention_parameters
 from .fields import Fields, show
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP
+from . import llama
 from .llama import LlamaModel
 from .model import Target, columns, fused_rows
-from .parallel import SINGLE, Shard
+from .parallel import Shard
 
 
 @dataclass(frozen=True)
@@ -54,31 +53,18 @@ class MoeOptions:
         return sum(self.sparse)
 
 
-class Block(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, shard: Shard):
-        super().__init__()
-        c, o = config, config.options
-        heads = shard.part(c.num_attention_heads, "num_attention_heads")[1]
-        kv_heads = shard.part(c.num_key_value_heads, "num_key_value_heads")[1]
-        norms = (RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)) if c.qk_norm else (None, None)
-        self.self_attn = CachedSelfAttention(
-            c.hidden_size, heads, kv_heads, c.head_dim, c.qkv_bias, c.o_bias, scale=c.head_dim**-0.5, layer=layer,
-            window=c.window_for_layer(layer), qk_norm=norms[0], k_norm=norms[1], shard=shard,
-        )
-        if o.sparse[layer]:
-            inter = shard.part(o.expert_intermediate, "moe_intermediate_size")[1]
-            shared = shard.part(o.shared_intermediate, "shared_expert_intermediate_size")[1] if o.shared_intermediate else 0
-            self.mlp = SparseMoE(c.hidden_size, o.experts, inter, c.hidden_act, o.top_k, o.renormalize, o.float_weights,
-                                 shared, shard=shard)
-        else:
-            inter = shard.part(c.intermediate_size, "intermediate_size")[1]
-            self.mlp = GatedMLP(c.hidden_size, inter, c.hidden_act, False, shard=shard)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+class Block(llama.Block):
+    """llama's block with a sparse feed-forward part on the layers the config makes sparse."""
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def make_mlp(self, c: ModelConfig, layer: int, shard: Shard) -> torch.nn.Module:
+        o = c.options
+        if not o.sparse[layer]:
+            inter = shard.part(c.intermediate_size, "intermediate_size")[1]
+            return GatedMLP(c.hidden_size, inter, c.hidden_act, False, shard=shard)
+        inter = shard.part(o.expert_intermediate, "moe_intermediate_size")[1]
+        shared = shard.part(o.shared_intermediate, "shared_expert_intermediate_size")[1] if o.shared_intermediate else 0
+        return SparseMoE(c.hidden_size, o.experts, inter, c.hidden_act, o.top_k, o.renormalize, o.float_weights,
+                         shared, shard=shard)
 
 
 class MoeModel(LlamaModel):
