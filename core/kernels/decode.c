@@ -23,6 +23,7 @@
 #endif
 
 #include "bf16.h"
+#include "qdot.h"
 #include "vec.h"
 
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
@@ -200,23 +201,7 @@ static inline int64_t kv_token_bytes(const Dims *d) {
     return D * (d->bf16 ? 2 : 4);
 }
 
-/* fp16 ⇄ float32 (round to nearest even; subnormals, infinities as IEEE). */
-static inline float kv_f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#endif
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t u;
-    float f;
-    if (exp == 0) { f = (float)mant * 5.9604644775390625e-8f; memcpy(&u, &f, 4); u |= sign; }
-    else if (exp == 31) u = sign | 0x7f800000u | (mant << 13);
-    else u = sign | ((exp + 112) << 23) | (mant << 13);
-    memcpy(&f, &u, 4);
-    return f;
-}
-
+/* float32 → fp16 (round to nearest even; subnormals, infinities as IEEE); the way back is qdot.h's qd_f16. */
 static inline void kv_put_f16(uint8_t *p, float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
@@ -299,7 +284,7 @@ static float dot_q8_avx2(const float *q, const uint8_t *k, int64_t nb) {
         t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), q8_widen(_mm_srli_si128(lo, 8)), t);
         t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), q8_widen(hi), t);
         t = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), q8_widen(_mm_srli_si128(hi, 8)), t);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(kv_f16(k)), t, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(qd_f16(k)), t, acc);
     }
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -309,7 +294,7 @@ static float dot_q8_avx2(const float *q, const uint8_t *k, int64_t nb) {
 
 static void axpy_q8_avx2(float p, const uint8_t *v, int64_t nb, float *out) {
     for (int64_t b = 0; b < nb; b++, v += 34, out += 32) {
-        const __m256 w = _mm256_set1_ps(p * kv_f16(v));
+        const __m256 w = _mm256_set1_ps(p * qd_f16(v));
         const __m128i lo = _mm_loadu_si128((const __m128i *)(v + 2)), hi = _mm_loadu_si128((const __m128i *)(v + 18));
         _mm256_storeu_ps(out, _mm256_fmadd_ps(w, q8_widen(lo), _mm256_loadu_ps(out)));
         _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(w, q8_widen(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(out + 8)));
@@ -327,14 +312,14 @@ static float dot_blocks(const Dims *d, const float *q, const uint8_t *k, int64_t
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, k += 34, q += 32) {
             const int8_t *qs = (const int8_t *)(k + 2);
-            const float s = kv_f16(k);
+            const float s = qd_f16(k);
             #pragma omp simd
             for (int i = 0; i < 32; i++) acc[i] += q[i] * (s * (float)qs[i]);
         }
     } else {
         for (int64_t b = 0; b < n / 32; b++, k += 18, q += 32) {
             const uint8_t *qs = k + 2;
-            const float s = kv_f16(k);
+            const float s = qd_f16(k);
             #pragma omp simd
             for (int i = 0; i < 16; i++) {
                 acc[i] += q[i] * (s * (float)((int)(qs[i] & 15) - 8));
@@ -354,14 +339,14 @@ static void axpy_blocks(const Dims *d, float p, const uint8_t *v, int64_t n, flo
     if (d->kv_type == KV_Q8_0) {
         for (int64_t b = 0; b < n / 32; b++, v += 34, out += 32) {
             const int8_t *qs = (const int8_t *)(v + 2);
-            const float s = kv_f16(v);
+            const float s = qd_f16(v);
             #pragma omp simd
             for (int i = 0; i < 32; i++) out[i] += p * (s * (float)qs[i]);
         }
     } else {
         for (int64_t b = 0; b < n / 32; b++, v += 18, out += 32) {
             const uint8_t *qs = v + 2;
-            const float s = kv_f16(v);
+            const float s = qd_f16(v);
             #pragma omp simd
             for (int i = 0; i < 16; i++) {
                 out[i] += p * (s * (float)((int)(qs[i] & 15) - 8));
