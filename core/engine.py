@@ -360,7 +360,7 @@ class Engine:
         self.cache.grow(self._capacity(needed))
         compile_seconds = yield from self._warm(self.cache)
         start += compile_seconds  # compiling is reported on its own, never as TTFT
-        row = _Row(0, ids, settings, max_new, self.tokenizer.stream(), tokenize_seconds, reused)
+        row = _Row(0, ids, settings, max_new, self.tokenizer.stream(ids), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds
         row.constraint = constraints.for_settings(self, settings)
         if row.clamped:
@@ -411,7 +411,7 @@ class Engine:
             except TwiceError as e:
                 yield Failed(i, str(e))
                 continue
-            rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(), time.perf_counter() - t, 0))
+            rows.append(_Row(i, ids, s, max_new, self.tokenizer.stream(ids), time.perf_counter() - t, 0))
             rows[-1].constraint = constraint
         if not rows:
             return

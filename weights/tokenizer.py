@@ -10,6 +10,7 @@ takes seconds and gigabytes, the bound microseconds."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -184,11 +185,23 @@ def text_bound(hf: HFTokenizer) -> TextBound | None:
 class TextStream:
     """Incremental detokenization of one sequence: each `step` returns the new text
     (never a broken UTF-8 character), and `finish` whatever was held back, so that the
-    concatenation of all pieces equals `decode(all ids)` exactly."""
+    concatenation of all pieces equals the text the ids add after `context` (the prompt's
+    last ids): decode(context + ids) less decode(context). The context matters for
+    SentencePiece decoders, which drop the leading space of a text's first token: without it
+    a completion of "Once upon a" would begin "time" instead of " time" (the text Hugging
+    Face's pipeline returns, which decodes the prompt with the completion and cuts the prompt
+    off)."""
 
-    def __init__(self, tokenizer: "Tokenizer"):
+    CONTEXT = 4  # prompt ids kept: enough for a SentencePiece word start or a pending byte sequence
+
+    def __init__(self, tokenizer: "Tokenizer", context: Sequence[int] = ()):
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._context = [int(i) for i in list(context)[-self.CONTEXT:]]
+        self._base = tokenizer.decode(self._context) if self._context else ""
+        if self._context and self._base.endswith("\ufffd"):  # an unfinished character: start clean instead
+            self._context, self._base = [], ""
+        self._stream = DecodeStream(self._context, skip_special_tokens=True) if self._context \
+            else DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""
 
@@ -201,11 +214,11 @@ class TextStream:
     def finish(self) -> str:
         """Text still held back (an incomplete character at the very end decodes to U+FFFD,
         exactly as a full decode renders it)."""
-        full = self._tok.decode(self.ids)
-        if not full.startswith(self.text):  # cannot happen for a consistent decoder; keep the invariant anyway
+        full = self._tok.decode(self._context + self.ids)
+        if not full.startswith(self._base + self.text):  # cannot happen for a consistent decoder
             raise TokenizerError("incremental detokenization diverged from the full decode")
-        rest = full[len(self.text):]
-        self.text = full
+        rest = full[len(self._base) + len(self.text):]
+        self.text = full[len(self._base):]
         return rest
 
 
@@ -274,8 +287,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> TextStream:
-        return TextStream(self)
+    def stream(self, context: Sequence[int] = ()) -> TextStream:
+        """A TextStream for ids that follow `context` (the prompt's ids, of which it keeps the last few)."""
+        return TextStream(self, context)
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.hf.token_to_id(text)
