@@ -311,24 +311,52 @@ class NativeDecoder:
         ids = tokens.reshape(-1).to(torch.int64).contiguous()
         if ids.numel() != rows:
             raise ValueError(f"{ids.numel()} tokens for a cache of {rows} rows")
+        logits = self._step(ids, cache, column, column + 1)
+        cache.length = column + 1
+        return logits
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """T tokens of a batch-1 cache in ONE native call, as T "virtual rows": token t is
+        written at column cache.length + t and attends up to it, so the logits [T, V] float32
+        are bit for bit those of T sequential steps (the matrix kernels are batch invariant).
+        Advances the cache by T; a caller rolls back by truncating it, as after eager steps."""
+        column = cache.length
+        ids = tokens.reshape(-1).to(torch.int64).contiguous()
+        count = ids.numel()
+        if cache.batch != 1:
+            raise ValueError(f"verify runs a batch-1 cache, not {cache.batch} rows")
+        if count < 1 or column + count > cache.capacity:
+            raise ValueError(f"cache holds {cache.capacity} tokens; {column} + {count} do not fit")
+        rows = torch.zeros(count, dtype=torch.int64)
+        columns = torch.arange(column, column + count, dtype=torch.int64)
+        logits = self._step(ids, cache, column, column + count, rows, columns)
+        cache.length = column + count
+        return logits
+
+    def _step(self, ids: torch.Tensor, cache: KVCache, column: int, end: int, cache_rows: torch.Tensor | None = None,
+              columns: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode_step call: ids [R] → logits [R, V]; columns up to end - 1 are written."""
         starts = cache.starts.to(torch.int64).contiguous() if cache.starts is not None else None
         rope = self.model.rope
-        rope.ensure(column + 1)  # positions are column - start ≤ column
+        rope.ensure(end)  # positions are column - start < end
         if self.local:
             local = self.model.rope_local
-            local.ensure(column + 1)
+            local.ensure(end)
             self.dims.cos_local, self.dims.sin_local = local.cos.data_ptr(), local.sin.data_ptr()
         self.dims.kv_type = KV_TYPES[cache.kv_dtype] if getattr(cache, "quantized", False) else 0
-        logits = torch.empty(rows, self.dims.vocab, dtype=torch.float32)
+        logits = torch.empty(ids.numel(), self.dims.vocab, dtype=torch.float32)
         status = self.lib.decode_step(
             ctypes.byref(self.dims), self.layers, self.final_norm, ctypes.byref(self.head), ctypes.byref(self.embed),
-            ids.data_ptr(), rows, rope.cos.data_ptr(), rope.sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
-            cache.capacity, column, starts.data_ptr() if starts is not None else None, logits.data_ptr(),
-            torch.get_num_threads(),
+            ids.data_ptr(), ids.numel(), rope.cos.data_ptr(), rope.sin.data_ptr(), cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.capacity, column, starts.data_ptr() if starts is not None else None,
+            cache.batch, cache_rows.data_ptr() if cache_rows is not None else None,
+            columns.data_ptr() if columns is not None else None, logits.data_ptr(), torch.get_num_threads(),
         )
         if status == -2:
             raise ValueError(f"a token id is outside the vocabulary of {self.dims.vocab}")
+        if status == -3:
+            raise ValueError(f"a row or column is outside the cache of {cache.batch} x {cache.capacity}")
         if status != 0:
             raise MemoryError("native decode could not allocate its scratch buffers")
-        cache.length = column + 1
         return logits

@@ -389,6 +389,109 @@ static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, i
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Grouped-query attention straight from Q8_0/Q4_0 blocks on AVX2: the keys (then the values)
+ * of KV_TILE tokens are widened to float32 once, into a tile that stays in L1, and every
+ * query head of the group reads that tile, so a block is widened once per kv head, not once
+ * per query head. d·q (Q8_0) and d·(q − 8) (Q4_0) are exact in float32, so the tile holds
+ * the reference's dequantized values; only the order of the sums differs from
+ * attend_head_scalar's. */
+#define KV_TILE 8
+#define KV_TILE_MAX_D 256
+
+/* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats. */
+static inline void widen_tile(const Dims *d, const uint8_t *p, int64_t tb, int64_t t, int64_t D, float *buf) {
+    for (int64_t i = 0; i < t; i++, p += tb) {
+        const uint8_t *b = p;
+        float *o = buf + i * D;
+        if (d->kv_type == KV_Q8_0)
+            for (int64_t k = 0; k < D; k += 32, b += 34, o += 32) {
+                const __m256 s = _mm256_set1_ps(qd_f16(b));
+                const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 2)), hi = _mm_loadu_si128((const __m128i *)(b + 18));
+                _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
+                _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
+                _mm256_storeu_ps(o + 16, _mm256_mul_ps(s, q8_widen(hi)));
+                _mm256_storeu_ps(o + 24, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(hi, 8))));
+            }
+        else
+            for (int64_t k = 0; k < D; k += 32, b += 18, o += 32) {
+                const __m256 s = _mm256_set1_ps(qd_f16(b));
+                const __m128i x = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
+                const __m128i lo = _mm_sub_epi8(_mm_and_si128(x, m), e);  /* values 0..15, q − 8 */
+                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);  /* 16..31 */
+                _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
+                _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
+                _mm256_storeu_ps(o + 16, _mm256_mul_ps(s, q8_widen(hi)));
+                _mm256_storeu_ps(o + 24, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(hi, 8))));
+            }
+    }
+}
+
+/* The lane sums of a[0..7], in lanes 0..7. */
+static inline __m256 sums8(const __m256 *a) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* softmax(q·K · scale) · V for the `group` query heads (D apart in q and out) that share the
+ * n block keys/values from token `tok` of kc/vc; s: scratch, `stride` floats per head.
+ * out is float32 (attend_group rounds it). */
+static void attend_group_blocks(const Dims *d, const float *q, int64_t group, const uint8_t *kc,
+                                const uint8_t *vc, int64_t tok, int64_t n, float *s, int64_t stride, float *out) {
+    const int64_t D = d->head_dim, tb = kv_token_bytes(d);
+    float buf[KV_TILE * KV_TILE_MAX_D] __attribute__((aligned(32)));
+    const __m256 scale = _mm256_set1_ps(d->scale);
+    kc += tok * tb, vc += tok * tb;
+    for (int64_t j = 0; j < n; j += KV_TILE) {
+        const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
+        widen_tile(d, kc + j * tb, tb, t, D, buf);
+        if (t < KV_TILE) memset(buf + t * D, 0, (size_t)((KV_TILE - t) * D) * sizeof(float));
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = q + h * D;
+            __m256 acc[KV_TILE];
+            for (int i = 0; i < KV_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t v = 0; v < D; v += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + v);
+                for (int i = 0; i < KV_TILE; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + i * D + v), acc[i]);
+            }
+            float sc[KV_TILE] __attribute__((aligned(32)));
+            _mm256_store_ps(sc, _mm256_mul_ps(sums8(acc), scale));
+            memcpy(s + h * stride + j, sc, (size_t)t * sizeof(float));
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {  /* as attend_head_scalar: p = e^(s − max) / Σ */
+        float *p = s + h * stride, m = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) if (p[j] > m) m = p[j];
+        for (int64_t j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
+        for (int64_t j = 0; j < n; j++) p[j] /= sum;
+        memset(out + h * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t j = 0; j < n; j += KV_TILE) {
+        const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
+        widen_tile(d, vc + j * tb, tb, t, D, buf);
+        for (int64_t h = 0; h < group; h++) {
+            const float *p = s + h * stride + j;
+            float *o = out + h * D;
+            if (t == KV_TILE) {
+                __m256 pb[KV_TILE];
+                for (int i = 0; i < KV_TILE; i++) pb[i] = _mm256_set1_ps(p[i]);
+                for (int64_t v = 0; v < D; v += 8) {
+                    __m256 ov = _mm256_loadu_ps(o + v);
+                    for (int i = 0; i < KV_TILE; i++) ov = _mm256_fmadd_ps(pb[i], _mm256_load_ps(buf + i * D + v), ov);
+                    _mm256_storeu_ps(o + v, ov);
+                }
+            } else
+                for (int64_t i = 0; i < t; i++) {
+                    const __m256 pi = _mm256_set1_ps(p[i]);
+                    for (int64_t v = 0; v < D; v += 8)
+                        _mm256_storeu_ps(o + v, _mm256_fmadd_ps(pi, _mm256_load_ps(buf + i * D + v), _mm256_loadu_ps(o + v)));
+                }
+        }
+    }
+}
+#endif
+
 /* One query head against n cached keys/values (rows D apart from element `base`):
  * softmax(q·K * scale) · V into out. */
 static void attend_head_scalar(const Dims *d, const float *q, const void *kc, const void *vc, int64_t base,
@@ -582,6 +685,13 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
     else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && D <= KV_TILE_MAX_D) {  /* blocks: each widened once per group */
+        attend_group_blocks(d, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
+        for (int64_t i = 0; i < group * D; i++) out[i] = rnd(d, out[i]);
+        return;
+    }
+#endif
     for (int64_t h = 0; h < group; h++) {
         attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D);
         for (int64_t i = 0; i < D; i++) out[h * D + i] = rnd(d, out[h * D + i]);
@@ -654,13 +764,12 @@ static void rope(const Dims *d, float *x, const void *cos, const void *sin, int6
 #define AHEAD_MAX_BYTES (32 << 10) /* of keys (as much again of values) */
 #endif
 
-/* Unit u (row u / kv_heads, kv head u % kv_heads) attends to n cached positions from
- * element `base` of its row of the cache: from the row's first real token (starts), inside
- * the sliding window, up to `column`. */
-static void span(const Dims *d, const int64_t *starts, int64_t window, int64_t column, int64_t capacity, int64_t u,
+/* Kv head g of a cache row whose first real token is at `start` attends to n cached
+ * positions from element `base` of that row: from its first real token, inside the
+ * sliding window, up to `column`. */
+static void span(const Dims *d, int64_t start, int64_t window, int64_t column, int64_t capacity, int64_t g,
                  int64_t *base, int64_t *n) {
-    const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
-    int64_t lo = starts ? starts[r] : 0;
+    int64_t lo = start;
     if (window > 0 && column - window + 1 > lo) lo = column - window + 1;
     *n = column - lo + 1;
     *base = (g * capacity + lo) * d->head_dim;
@@ -751,16 +860,25 @@ static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows,
     }
 }
 
-/* One step for `rows` rows sharing cache column `column`; row r holds padding before
- * starts[r] (NULL: no padding) and its token tokens[r] sits at position column - starts[r].
- * cos/sin: the rotary tables [positions, head_dim]. Caches: [layers, rows, kv_heads,
- * capacity, head_dim] in the model dtype, or [..., capacity, head_dim / 32 · block bytes] of Dims.kv_type
- * blocks (written quantized, read as stored). logits: [rows, vocab] float32.
- * Returns 0; -1 when a scratch allocation failed, -2 for a token id outside the
- * vocabulary (nothing was written then). */
+/* One step for `rows` input rows. By default (cache_rows and columns NULL) input row r is
+ * cache row r, the cache holds `rows` rows, and every row sits at cache column `column`.
+ * Otherwise input row r reads and writes cache row cache_rows[r] (of `cache_batch` rows) at
+ * its own column columns[r] ("virtual rows": speculative.py's verify pass gives one cache row
+ * K + 1 input rows at columns c .. c + K; every row's k/v of a layer is written before any
+ * row attends, and each row attends only up to its own column, so row t sees rows < t as
+ * sequential steps would, and with batch-invariant matrix kernels its logits are theirs bit
+ * for bit). Two input rows must not share a cache row and a column. A cache row holds
+ * padding before starts[cache row] (NULL: no padding); the token sits at position
+ * column - start. cos/sin: the rotary tables [positions, head_dim]. Caches: [layers,
+ * cache rows, kv_heads, capacity, head_dim] in the model dtype, or [..., capacity,
+ * head_dim / 32 · block bytes] of Dims.kv_type blocks (written quantized, read as stored).
+ * logits: [rows, vocab] float32. Returns 0; -1 when a scratch allocation failed, -2 for a
+ * token id outside the vocabulary, -3 for a cache row or column outside the cache (nothing
+ * was written then). */
 int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const Weight *head,
                 const Weight *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
                 void *k_cache, void *v_cache, int64_t capacity, int64_t column, const int64_t *starts,
+                int64_t cache_batch, const int64_t *cache_rows, const int64_t *columns,
                 float *logits, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv = q_size + 2 * kv_size;
@@ -771,6 +889,11 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     if (D > 1024 || rows < 1) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= d->vocab) return -2; /* its embedding row would be out of bounds */
+    if (!cache_rows) cache_batch = rows;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t cr = cache_rows ? cache_rows[r] : r, col = columns ? columns[r] : column;
+        if (cr < 0 || cr >= cache_batch || col < 0 || col >= capacity) return -3;
+    }
     float *x = malloc(sizeof(float) * rows * H), *xn = malloc(sizeof(float) * rows * H);
     float *t = malloc(sizeof(float) * rows * H), *big = malloc(sizeof(float) * rows * widest);
     float *att = malloc(sizeof(float) * rows * (q_size > d->inter ? q_size : d->inter));
@@ -825,7 +948,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
 
     for (int64_t l = 0; l < d->layers; l++) {
         const Layer *L = &layers[l];
-        char *kl = (char *)k_cache + l * rows * row_bytes, *vl = (char *)v_cache + l * rows * row_bytes;
+        char *kl = (char *)k_cache + l * cache_batch * row_bytes, *vl = (char *)v_cache + l * cache_batch * row_bytes;
 
         const void *cos_l = L->local ? d->cos_local : cos, *sin_l = L->local ? d->sin_local : sin;
         const float *attn_in = xn; /* block:post_norm attends to x itself */
@@ -839,8 +962,9 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         for (int64_t r = 0; r < rows; r++) {
             float nt[1024];
             float *q = big + r * qkv, *k = q + q_size, *v = q + q_size + kv_size;
-            const int64_t position = column - (starts ? starts[r] : 0);
-            char *kc = kl + r * row_bytes, *vc = vl + r * row_bytes;
+            const int64_t cr = cache_rows ? cache_rows[r] : r, col = columns ? columns[r] : column;
+            const int64_t position = col - (starts ? starts[cr] : 0);
+            char *kc = kl + cr * row_bytes, *vc = vl + cr * row_bytes;
             const int per_head = !d->qk_full;
             if (!per_head) { /* qk_norm:full: one norm over each whole projection */
                 if (L->q_norm) rms_norm(d, q, L->q_norm, q_size, q);
@@ -853,10 +977,10 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             for (int64_t h = 0; h < d->kv_heads; h++) {
                 if (L->k_norm && per_head) { rms_norm(d, k + h * D, L->k_norm, D, nt); memcpy(k + h * D, nt, D * sizeof(float)); }
                 rope(d, k + h * D, cos_l, sin_l, position);
-                const int64_t at = (h * capacity + column) * D;
+                const int64_t at = (h * capacity + col) * D;
                 if (d->kv_type != KV_FLOAT) { /* quantized once, here, as cache.py's write does */
-                    kv_quantize(d, k + h * D, (uint8_t *)kc + (h * capacity + column) * tok_bytes, D);
-                    kv_quantize(d, v + h * D, (uint8_t *)vc + (h * capacity + column) * tok_bytes, D);
+                    kv_quantize(d, k + h * D, (uint8_t *)kc + (h * capacity + col) * tok_bytes, D);
+                    kv_quantize(d, v + h * D, (uint8_t *)vc + (h * capacity + col) * tok_bytes, D);
                 } else if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
                     narrow(k + h * D, (uint16_t *)kc + at, D);
                     narrow(v + h * D, (uint16_t *)vc + at, D);
@@ -866,18 +990,20 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                 }
             }
         }
-        /* Row r sees columns [lo, column]: from its first real token, inside the window.
+        /* Row r sees columns [lo, its column]: from its first real token, inside the window.
          * One unit of work is one row's kv head with the query heads that read it. */
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < rows * d->kv_heads; u++) {
             int64_t base, n, next_base = 0, next_n = 0;
-            span(d, starts, L->window, column, capacity, u, &base, &n);
             const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
-            const char *kc = kl + r * row_bytes, *vc = vl + r * row_bytes;
+            const int64_t cr = cache_rows ? cache_rows[r] : r, col = columns ? columns[r] : column;
+            span(d, starts ? starts[cr] : 0, L->window, col, capacity, g, &base, &n);
+            const char *kc = kl + cr * row_bytes, *vc = vl + cr * row_bytes;
             const char *ahead_k = NULL, *ahead_v = NULL;
             if (u + 1 < rows * d->kv_heads && d->kv_type == KV_FLOAT) {  /* the next unit's rows, prefetched while this one runs */
-                const int64_t r2 = (u + 1) / d->kv_heads;
-                span(d, starts, L->window, column, capacity, u + 1, &next_base, &next_n);
+                const int64_t r1 = (u + 1) / d->kv_heads, g2 = (u + 1) % d->kv_heads;
+                const int64_t r2 = cache_rows ? cache_rows[r1] : r1, col2 = columns ? columns[r1] : column;
+                span(d, starts ? starts[r2] : 0, L->window, col2, capacity, g2, &next_base, &next_n);
                 ahead_k = kl + (r2 * row_elems + next_base) * el;
                 ahead_v = vl + (r2 * row_elems + next_base) * el;
                 /* Past a few hundred keys the stream is long enough for the hardware prefetcher,

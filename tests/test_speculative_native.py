@@ -1,0 +1,186 @@
+"""The verify pass through the native decode step (issue 16, items 3 and 5): K + 1 tokens
+as "virtual rows" of ONE decode.c call (NativeDecoder.verify) give bit for bit the logits of
+K + 1 sequential native steps, so greedy speculation equals plain native greedy on quantized
+models too; and what drafting costs is decided before it is paid (speculative.Plan).
+Tiny random models, one torch thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from twice.core import kernels, speculative
+from twice.core.cache import KVCache
+from twice.core.engine import Done, Engine, GenerationSettings, Request
+from twice.core.native_decode import NativeDecoder, supported
+from twice.weights.load import load
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
+
+PROMPT = "def f(x):\n    return x * 2  # code"
+REPEATS = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dirs, tmp_path_factory, tokenizer):
+    cache, drafts = {}, {}
+    root = tmp_path_factory.mktemp("native-drafts")
+
+    def get(family: str = "llama", weights=None, draft: bool = False):
+        key = (family, weights, draft)
+        if key not in cache:
+            if draft:
+                if family not in drafts:
+                    drafts[family] = tiny.make_model(root / family, family, tokenizer, seed=1)
+                folder = drafts[family]
+            else:
+                folder = model_dirs(family)
+            cache[key] = load(str(folder), device="cpu", dtype="float32", weights=weights)
+        return cache[key]
+
+    return get
+
+
+def _prefilled(m, rows: int = 1, capacity: int = 64, starts=None):
+    cache = KVCache(m.config, rows, capacity, torch.float32, "cpu")
+    with torch.inference_mode():
+        m.model(torch.tensor([list(range(3, 20))] * rows), cache)
+    if starts is not None:
+        cache.starts = torch.tensor(starts)
+    return cache
+
+
+# -- the logits ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family,weights", [("llama", None), ("llama", "q8_0"), ("qwen3", "q4_k_m"),
+                                            ("gemma3", None), ("gemma3", "q8_0"), ("mistral", "q4_k_m")])
+def test_verify_equals_sequential_native_steps_bit_for_bit(loaded, family, weights):
+    m = loaded(family, weights)
+    assert supported(m.model)
+    native = NativeDecoder(m.model)
+    tokens = [42, 7, 99, 5, 13, 60, 21, 8, 77]  # K + 1 = 9 (mistral's window of 12 is crossed at 26)
+    a, b = _prefilled(m), _prefilled(m)
+    with torch.inference_mode():
+        steps = torch.cat([native(torch.tensor([[t]]), a) for t in tokens])
+        one = native.verify(torch.tensor(tokens), b)
+    assert torch.equal(one, steps)
+    assert a.length == b.length == 17 + len(tokens)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)  # the same keys/values, written once each
+
+
+def test_verify_with_two_threads_equals_steps(loaded):
+    m = loaded("llama", "q8_0")
+    native = NativeDecoder(m.model)
+    a, b = _prefilled(m), _prefilled(m)
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            steps = torch.cat([native(torch.tensor([[t]]), a) for t in (4, 5, 6, 7)])
+            one = native.verify(torch.tensor([4, 5, 6, 7]), b)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, steps)
+
+
+def test_virtual_rows_of_one_row_of_a_padded_cache(loaded):
+    """decode_step's cache_rows/columns: three input rows all reading and writing cache row 1
+    of a two-row left-padded cache give that row's logits of three batch steps; row 0's
+    columns are left alone."""
+    m = loaded("qwen3", "q8_0")
+    native = NativeDecoder(m.model)
+    a, b = _prefilled(m, rows=2, starts=[0, 4]), _prefilled(m, rows=2, starts=[0, 4])
+    before = b.k[:, 0].clone()
+    tokens = [11, 12, 13]
+    with torch.inference_mode():
+        steps = torch.stack([native(torch.tensor([[9], [t]]), a)[1] for t in tokens])
+        c = b.length
+        one = native._step(torch.tensor(tokens), b, c, c + 3, torch.ones(3, dtype=torch.int64),
+                           torch.arange(c, c + 3, dtype=torch.int64))
+    assert torch.equal(one, steps)
+    assert torch.equal(b.k[:, 1, :, :c + 3], a.k[:, 1, :, :c + 3])
+    assert torch.equal(b.k[:, 0], before)
+
+
+def test_verify_refuses_what_does_not_fit(loaded):
+    m = loaded("llama")
+    native = NativeDecoder(m.model)
+    cache = _prefilled(m, capacity=20)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.verify(torch.tensor([1, 2, 3, 4]), cache)
+    assert cache.length == 17
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        native.verify(torch.tensor([1, 10 ** 6]), cache)
+    with pytest.raises(ValueError, match="outside the cache"):
+        native._step(torch.tensor([1]), cache, 17, 18, torch.tensor([1]), torch.tensor([17]))
+    with pytest.raises(ValueError, match="batch-1"):
+        native.verify(torch.tensor([1]), _prefilled(m, rows=2))
+    assert cache.length == 17
+
+
+# -- greedy identity through the engine ---------------------------------------------------------
+def generate(engine, text=PROMPT, **kw):
+    kw.setdefault("max_new_tokens", 24)
+    kw.setdefault("ignore_eos", True)
+    events = list(engine.generate(Request(text=text), GenerationSettings(**kw)))
+    assert isinstance(events[-1], Done)
+    return events[-1].result
+
+
+def engine(m, draft=None):
+    return Engine(m.model, m.tokenizer, m.eos_token_ids, draft=draft.model if draft is not None else None)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of NativeDecoder.verify (the native verify pass ran) and of the eager verify."""
+    calls = {"native": 0}
+    real = NativeDecoder.verify
+
+    def verify(self, tokens, cache):
+        calls["native"] += 1
+        return real(self, tokens, cache)
+
+    monkeypatch.setattr(NativeDecoder, "verify", verify)
+    return calls
+
+
+@pytest.mark.parametrize("family,weights", [("llama", "q4_k_m"), ("gemma3", "q8_0")])
+def test_greedy_speculation_equals_plain_native_greedy_on_quantized_models(loaded, counted, family, weights):
+    target, other = loaded(family, weights), loaded(family, draft=True)
+    plain_engine = engine(target)
+    assert plain_engine.decode_path == "native"
+    plain = generate(plain_engine).token_ids
+    for k in (1, 3, 8):
+        own = generate(engine(target, target), draft_tokens=k)
+        assert own.token_ids == plain and own.speculation["acceptance_rate"] == 1.0, k
+        bad = generate(engine(target, other), draft_tokens=k)
+        assert bad.token_ids == plain, k
+        assert generate(engine(target), draft_tokens=k, lookup=True).token_ids == plain, k
+    assert counted["native"] > 0
+    looked = generate(engine(target), text=REPEATS, lookup=True, draft_tokens=4)
+    assert looked.token_ids == generate(engine(target), text=REPEATS).token_ids
+    assert looked.speculation["accepted"] > 0
+
+
+def test_rollback_then_continue_equals_plain(loaded):
+    """Native verify passes, rejected guesses truncated: the cache is the plain run's bit for
+    bit, and a second turn on top reuses it and gives the plain run's tokens."""
+    target, other = loaded("llama", "q8_0"), loaded("llama", draft=True)
+    plain, spec = engine(target), engine(target, other)
+    a, b = generate(plain), generate(spec, draft_tokens=4)
+    assert a.token_ids == b.token_ids and b.speculation["accepted"] < b.speculation["proposals"]
+    n = plain.cache.length
+    assert spec.cached_ids == plain.cached_ids and spec.cache.length == n
+    assert torch.equal(spec.cache.k[:, :, :, :n], plain.cache.k[:, :, :, :n])
+    assert torch.equal(spec.cache.v[:, :, :, :n], plain.cache.v[:, :, :, :n])
+    follow = PROMPT + a.text + " and again"
+    a2, b2 = generate(plain, text=follow), generate(spec, text=follow, draft_tokens=4)
+    assert a2.token_ids == b2.token_ids and b2.reused_tokens == a2.reused_tokens > 0
