@@ -60,6 +60,7 @@ PROBES = (3, 6)  # the first verify sizes measured (two points for the cost line
 RETRY_FIRST, RETRY_MOST = 8, 128  # plain steps before trying guesses again (doubling)
 DECAY = 0.95  # weight of the past in the acceptance counts, per pass
 EMA = 0.3  # weight of a new time measurement
+CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens runs as native virtual rows
 
 
 class DraftError(TwiceError):
@@ -113,6 +114,9 @@ class SpeculationStats:
     plain_seconds: float = 0.0
     fixed_k: int | None = None
     k_used: dict = field(default_factory=dict)  # K -> passes with that many guesses (0: plain steps)
+    probe_passes: int = 0  # verify passes of free guesses that measured v(K) before the draft ran (Plan)
+    probe_seconds: float = 0.0
+    off: str | None = None  # why drafting stopped for good ("drafting off: ..."), said once
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,6 +148,9 @@ class SpeculationStats:
             "verify_s": self.verify_seconds,
             "plain_step_s": self.plain_seconds,
             "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
+            "probe_passes": self.probe_passes,
+            "probe_s": self.probe_seconds,
+            "drafting_off": self.off,
             "decode_tokens_per_s": n / decode_seconds if n > 0 and decode_seconds > 0 else 0.0,
             "decode_tokens_per_s_without_draft": n / without if n > 0 and without > 0 else 0.0,
         }
@@ -223,14 +230,37 @@ class Adaptive:
         self.step = seconds if self.step is None else (1 - EMA) * self.step + EMA * seconds
         self.plain_run += 1
 
-    def record_pass(self, k: int, kept: int, rejected: bool, draft_seconds: float, verify_seconds: float) -> None:
+    def record_pass(self, k: int, kept: int, rejected: bool, draft_seconds: float, verify_seconds: float,
+                    draft_step: float | None = None) -> None:
+        """A verify pass of k guesses; draft_step: one draft step's time if measured apart
+        from a catch-up (else draft_seconds / k)."""
         self.plain_run = 0
-        per = draft_seconds / k
+        per = draft_step if draft_step is not None else draft_seconds / k
         self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per
-        old = self.verify.get(k)
-        self.verify[k] = verify_seconds if old is None else (1 - EMA) * old + EMA * verify_seconds
+        self.record_verify(k, verify_seconds)
         self.kept = DECAY * self.kept + kept
         self.judged = DECAY * self.judged + kept + (1 if rejected else 0)
+
+    def record_verify(self, k: int, seconds: float) -> None:
+        old = self.verify.get(k)
+        self.verify[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def best_case(self) -> tuple[float, int]:
+        """(speed-up over plain steps, K) with every guess kept, at the measured costs: below
+        1 no acceptance can make drafting pay."""
+        step, c = self.step or 0.0, self.draft or 0.0
+        return max((expected_tokens(1.0, k) * step / (k * c + self.verify_cost(k)), k) for k in range(1, self.most + 1))
+
+    def unpaid(self) -> str | None:
+        """The one-line reason drafting cannot pay at any K (module doc), or None."""
+        if self.step is None or any(k not in self.verify for k in PROBES if k <= self.most):
+            return None
+        best, k = self.best_case()
+        if best >= 1.0:
+            return None
+        return (f"drafting off: a draft step costs {(self.draft or 0.0) / self.step:.2f} of a target step, a verify "
+                f"pass of {k + 1} {self.verify_cost(k) / self.step:.2f} steps (at best, every proposal kept, "
+                f"{best:.2f}x the model alone)")
 
 
 # -- proposers -------------------------------------------------------------------------
@@ -292,9 +322,26 @@ class Draft:
         self.context = model.config.max_position_embeddings
         self.cache: KVCache | None = None
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds
+        self.measured_step: float | None = None  # one step on a short dummy cache (step_seconds)
+        self.last_step: float | None = None  # the fastest one-token step of the last propose call
 
     def reset(self) -> None:
         self.cache, self.ids = None, []
+
+    @torch.inference_mode()
+    def step_seconds(self) -> float:
+        """One draft step's time, measured once (the faster of two steps on a short dummy
+        cache, never touching the draft's own cache): what a proposal costs before the draft
+        has run at all, so that a draft that cannot pay is never prefilled."""
+        if self.measured_step is None:
+            cache = KVCache(self.model.config, 1, 8, self.dtype, self.device, kv_heads=self.model.kv_heads)
+            times = []
+            for _ in range(2):
+                t = time.perf_counter()
+                self._logits([0], cache)
+                times.append(time.perf_counter() - t)
+            self.measured_step = min(times)
+        return self.measured_step
 
     def _room(self, needed: int) -> int:
         """Columns the cache can have for `needed` (grown in steps of 64, at most the draft's context)."""
@@ -305,12 +352,17 @@ class Draft:
             self.cache.grow(want)
         return self.cache.capacity
 
-    def _logits(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens at the cache's end; the last position's logits [V] float32."""
-        if len(tokens) == 1 and self.fast is not None and self.fast.supports(self.cache):
-            out = self.fast(torch.tensor([tokens], device=self.device), self.cache)
+    def _logits(self, tokens: list[int], cache: KVCache | None = None) -> torch.Tensor:
+        """Feed tokens at the cache's end; the last position's logits [V] float32. A few
+        tokens (a catch-up after a verify pass) go through the native step's virtual rows."""
+        cache = cache if cache is not None else self.cache
+        fast = self.fast if self.fast is not None and self.fast.supports(cache) else None
+        if fast is not None and len(tokens) == 1:
+            out = fast(torch.tensor([tokens], device=self.device), cache)
+        elif fast is not None and len(tokens) <= CATCH_UP_NATIVE and cache.length + len(tokens) <= cache.capacity:
+            out = fast.verify(torch.tensor(tokens, dtype=torch.int64), cache)[-1:]
         else:
-            out = self.model(torch.tensor([tokens], device=self.device), self.cache)
+            out = self.model(torch.tensor([tokens], device=self.device), cache)
         return out[0].float()
 
     @torch.inference_mode()
@@ -324,7 +376,9 @@ class Draft:
         self.ids = self.ids[:reused]
         self.cache.truncate(reused)
         vocab = sampler.vocab_size
+        t = time.perf_counter()
         logits = self._logits(seq[reused:])
+        steps = [time.perf_counter() - t] if len(seq) - reused == 1 else []
         self.ids = list(seq)
         greedy = sampler.params[row].greedy
         guesses: list[int] = []
@@ -338,8 +392,11 @@ class Draft:
                 qs.append(q)
                 guesses.append(int(sampler.draw(row, q)))
             if j + 1 < k:
+                t = time.perf_counter()
                 logits = self._logits([guesses[-1]])
+                steps.append(time.perf_counter() - t)
                 self.ids.append(guesses[-1])
+        self.last_step = min(steps) if steps else None
         return guesses, (torch.stack(qs) if qs else None)
 
     def rollback(self, seq: list[int]) -> None:
@@ -395,52 +452,115 @@ def verify(sampler, row: int, logits: torch.Tensor, guesses: list[int],
     return guesses + [int(sampler.draw(row, p))], k
 
 
+def native_verifier(engine, cache: KVCache, count: int):
+    """The engine's native step when it runs the target on this cache and `count` more
+    columns fit (NativeDecoder.verify), else None (the eager layers verify)."""
+    from .native_decode import NativeDecoder
+
+    fast = engine.fast
+    if isinstance(fast, NativeDecoder) and engine._fast_ready(cache) and cache.length + count <= cache.capacity:
+        return fast
+    return None
+
+
+def verify_logits(engine, cache: KVCache, ids: list[int]) -> torch.Tensor:
+    """The target's logits [len(ids), V] at ids, fed at the cache's end in ONE pass: the
+    native step's virtual rows where it runs the target (bit for bit its sequential steps,
+    so greedy output equals plain greedy on quantized models too), else the eager layers."""
+    fast = native_verifier(engine, cache, len(ids))
+    if fast is not None:
+        return fast.verify(torch.tensor(ids, dtype=torch.int64), cache)
+    return engine.model(torch.tensor([ids], device=engine.device), cache, all_logits=True)[0]
+
+
 # -- the decode loop -------------------------------------------------------------------
 class Speculator:
-    """One proposer, its K controller and statistics, serving Engine.generate."""
+    """One proposer, its K controller and statistics, serving Engine.generate.
+
+    A draft model (adaptive K) is planned before it runs: after the first plain step, the
+    verify passes at the probe sizes take free guesses (prompt lookup's, padded with the last
+    token: a deterministic proposer, exact like any other) to measure v(K), and the draft's
+    step is timed once on a dummy cache. When no K pays even with every guess kept
+    (Adaptive.unpaid), drafting is off for the request: the draft is never prefilled and
+    never catches up, and one Notice says why. The same check runs after every draft pass
+    with the measured costs."""
 
     def __init__(self, proposer, fixed_k: int | None):
         self.proposer = proposer
         self.adaptive = Adaptive(fixed_k)
         self.stats = SpeculationStats(proposer.name, fixed_k=fixed_k)
+        self.planning = fixed_k is None and isinstance(proposer, Draft)
+        self.free = Lookup() if self.planning else None
+        self.notice: str | None = None  # set once when drafting turns off (decode yields it)
+
+    def _plain(self, engine, seq: list[int], cache: KVCache, sampler, draft_seconds: float = 0.0):
+        s = self.stats
+        t = time.perf_counter()
+        chosen = engine._step(torch.tensor([[seq[-1]]], device=engine.device), cache, sampler)
+        token = int(chosen[0])
+        seconds = time.perf_counter() - t
+        self.adaptive.record_plain(seconds)
+        s.passes, s.tokens, s.plain_seconds = s.passes + 1, s.tokens + 1, s.plain_seconds + seconds
+        s.draft_seconds += draft_seconds
+        s.k_used[0] = s.k_used.get(0, 0) + 1
+        return [token], seconds + draft_seconds
+
+    def _verify(self, engine, seq: list[int], cache: KVCache, sampler, guesses: list[int], q):
+        start = cache.length
+        t = time.perf_counter()
+        with torch.inference_mode(), engine._out_of_memory(cache, f"verifying {len(guesses)} proposed tokens at "
+                                                                  f"{cache.length} tokens"):
+            logits = verify_logits(engine, cache, [seq[-1], *guesses])
+            tokens, kept = verify(sampler, 0, logits, guesses, q)
+            cache.truncate(start + 1 + kept)
+            for tok in tokens:
+                sampler.observe(torch.tensor([tok], device=engine.device))
+        return tokens, kept, time.perf_counter() - t
+
+    def _stop(self, reason: str) -> None:
+        self.stats.off = self.notice = reason
 
     def round(self, engine, seq: list[int], cache: KVCache, sampler, room: int) -> tuple[list[int], float]:
         """One target pass after `seq` (the cache holds all of it but its last token), with
         at most `room` guesses: (the tokens it yields, seconds)."""
+        if self.stats.off is not None:
+            return self._plain(engine, seq, cache, sampler)
         k = min(self.adaptive.choose(), room)
+        s = self.stats
+        if k > 0 and self.planning:
+            if any(p not in self.adaptive.verify for p in PROBES if p <= self.adaptive.most):
+                guesses, _ = self.free.propose(seq, k, sampler, 0)
+                guesses = (guesses + [seq[-1]] * k)[:k]
+                tokens, _, seconds = self._verify(engine, seq, cache, sampler, guesses, None)
+                self.adaptive.record_verify(len(guesses), seconds)
+                s.passes, s.tokens = s.passes + 1, s.tokens + len(tokens)
+                s.probe_passes, s.probe_seconds = s.probe_passes + 1, s.probe_seconds + seconds
+                return tokens, seconds
+            self.planning, self.free = False, None
+            self.adaptive.draft = self.proposer.step_seconds()
+            if (reason := self.adaptive.unpaid()) is not None:
+                self._stop(reason)
+                return self._plain(engine, seq, cache, sampler)
+            k = min(self.adaptive.choose(), room)
         guesses, q, draft_seconds = [], None, 0.0
         t0 = time.perf_counter()
         if k > 0:
             guesses, q = self.proposer.propose(seq, k, sampler, 0)
             draft_seconds = time.perf_counter() - t0
-        s = self.stats
         if not guesses:
-            t = time.perf_counter()
-            chosen = engine._step(torch.tensor([[seq[-1]]], device=engine.device), cache, sampler)
-            token = int(chosen[0])
-            seconds = time.perf_counter() - t
-            self.adaptive.record_plain(seconds)
-            s.passes, s.tokens, s.plain_seconds = s.passes + 1, s.tokens + 1, s.plain_seconds + seconds
-            s.draft_seconds += draft_seconds
-            s.k_used[0] = s.k_used.get(0, 0) + 1
-            return [token], seconds + draft_seconds
-        t1 = time.perf_counter()
-        start = cache.length
-        with torch.inference_mode(), engine._out_of_memory(cache, f"verifying {len(guesses)} proposed tokens at "
-                                                                  f"{cache.length} tokens"):
-            logits = engine.model(torch.tensor([[seq[-1], *guesses]], device=engine.device), cache, all_logits=True)
-            tokens, kept = verify(sampler, 0, logits[0], guesses, q)
-            cache.truncate(start + 1 + kept)
-            for t in tokens:
-                sampler.observe(torch.tensor([t], device=engine.device))
-        verify_seconds = time.perf_counter() - t1
+            return self._plain(engine, seq, cache, sampler, draft_seconds)
+        tokens, kept, verify_seconds = self._verify(engine, seq, cache, sampler, guesses, q)
         if isinstance(self.proposer, Draft):
             self.proposer.rollback(seq + tokens)
-        self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds)
+        self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds,
+                                  getattr(self.proposer, "last_step", None))
         s.proposed, s.accepted = s.proposed + len(guesses), s.accepted + kept
         s.passes, s.verify_passes, s.tokens = s.passes + 1, s.verify_passes + 1, s.tokens + len(tokens)
         s.draft_seconds, s.verify_seconds = s.draft_seconds + draft_seconds, s.verify_seconds + verify_seconds
         s.k_used[len(guesses)] = s.k_used.get(len(guesses), 0) + 1
+        if self.adaptive.fixed is None and isinstance(self.proposer, Draft):
+            if (reason := self.adaptive.unpaid()) is not None:
+                self._stop(reason)
         return tokens, draft_seconds + verify_seconds
 
 
@@ -450,7 +570,7 @@ def decode(engine, row, cache: KVCache, sampler, logits: torch.Tensor, start: fl
     same events as the plain loop, several tokens per target pass. A stop string or an
     end-of-turn token inside a kept run ends generation at that token; max_new_tokens is
     never exceeded (a pass proposes at most the tokens left less one)."""
-    from .engine import Done, TokenEvent
+    from .engine import Done, Notice, TokenEvent
 
     with torch.inference_mode():
         chosen = sampler(logits)
@@ -476,5 +596,8 @@ def decode(engine, row, cache: KVCache, sampler, logits: torch.Tensor, start: fl
             return
         room = row.max_new - len(row.generated) - 1
         pending, seconds = speculator.round(engine, seq, cache, sampler, room)
+        if speculator.notice is not None:
+            yield Notice(speculator.notice)
+            speculator.notice = None
         engine.cached_ids = (seq + pending)[:cache.length]
         step_seconds = seconds / len(pending)
