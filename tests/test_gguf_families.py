@@ -114,8 +114,10 @@ def test_twice_quantize_f32_equals_transformers(model_dirs, written, family):
     path = written(family, "f32")
     assert read_gguf(path).metadata["general.architecture"] == GGUF_FAMILIES[family]
     stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
     want = reference(model_dirs(family), path, GGUF_FAMILIES[family])(IDS).logits[0]
     assert (logits(stored, IDS) - want).abs().max() < 1e-4
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
     assert [stored.tokenizer.encode(t) for t in TEXTS] == [load_tokenizer(model_dirs(family)).encode(t) for t in TEXTS]
 
 
