@@ -478,3 +478,74 @@ def test_llama_cpp_and_the_converter_on_qwen3moe(qwen3moe_files, tmp_path):
                 for t in gguf.GGUFReader(str(p)).tensors}
 
     assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(path)
+
+
+# -- qwen2_moe (llama.cpp's qwen2moe: a shared expert beside the routed ones) ------------------
+
+
+@pytest.fixture(scope="module")
+def qwen2moe_files(tmp_path_factory, tokenizer):
+    """kind → (folder, file): tiny.py's qwen2_moe sizes (6 experts, top-2, a shared expert of 64
+    behind its sigmoid gate, q/k/v biases) without its sliding layers (llama.cpp's qwen2moe has
+    none: refused in one line) and with an untied head, and `twice quantize`'s file."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    root = tmp_path_factory.mktemp("qwen2moe-gguf")
+    folder = root / "qwen2_moe"
+    fields = {k: v for k, v in tiny.hf_config("qwen2_moe").to_dict().items() if k != "layer_types"}
+    config = Qwen2MoeConfig(**{**fields, "use_sliding_window": False, "tie_word_embeddings": False})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    tiny.save_tokenizer(folder, tokenizer)
+    files = tiny.gguf_files(root, lambda _: folder, name="tiny random model")
+    return lambda kind: (folder, files("qwen2moe", kind))
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_qwen2moe_file_as_stored_and_dequantized_equals_transformers(qwen2moe_files, kind):
+    folder, path = qwen2moe_files(kind)
+    meta = read_gguf(path).metadata
+    assert (meta["general.architecture"], meta["qwen2moe.expert_count"], meta["qwen2moe.expert_used_count"],
+            meta["qwen2moe.expert_feed_forward_length"], meta["qwen2moe.expert_shared_feed_forward_length"]) \
+        == ("qwen2moe", 6, 2, 32, 64)
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    for name in ("blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.attn_q.bias"):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32, name
+    assert "output.weight" in tensors
+    stored = load(str(path), device="cpu", dtype="float32")
+    floats = load(str(path), weights="dequantize", device="cpu", dtype="float32")
+    assert stored.config.model_type == "qwen2_moe" and not stored.config.options.renormalize
+    model = moe_reference(folder, path, arch="qwen2moe")
+    want = model(IDS).logits[0]
+    assert (logits(floats, IDS) - want).abs().max() < 1e-4
+    torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
+    ids = IDS[:, :7]
+    assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
+
+
+def test_qwen2moe_without_a_gguf_form_is_one_line(model_dirs, tmp_path, capsys):
+    """tiny.py's qwen2_moe keeps its sliding layers: llama.cpp's qwen2moe cannot hold them."""
+    from clirun import run_inprocess
+
+    out = tmp_path / "out.gguf"
+    r = run_inprocess(["quantize", str(model_dirs("qwen2_moe")), str(out), "--type", "q8_0"], capsys)
+    assert r.code == 2, r
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and "qwen2_moe with sliding-window" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_llama_cpp_and_the_converter_on_qwen2moe(qwen2moe_files, tmp_path):
+    """llama.cpp loads twice's file (f32: within its f16 KV cache's rounding); its converter
+    writes the same tensors byte for byte."""
+    folder, path = qwen2moe_files("f32")
+    got, _ = llama_logits(path, IDS[0].tolist())
+    want = moe_reference(folder, path, arch="qwen2moe")(IDS).logits[0]
+    assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max())
+
+    def table(p):
+        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+                for t in gguf.GGUFReader(str(p)).tensors}
+
+    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(path)

@@ -19,7 +19,7 @@ Three things llama.cpp changed on the way in are undone here:
 
 Only what can be converted exactly is accepted: the llama (also Mixtral: llama with stacked
 experts, read one slice per expert), qwen2, qwen3, gpt2, olmo2, phi3, gemma2 and gemma3
-architectures (and qwen3moe) with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
+architectures (and qwen3moe, qwen2moe) with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
 file: the 1 is subtracted). Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
@@ -48,14 +48,15 @@ from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "qwen3moe",
+                           "qwen2moe")
 # GGUF architecture → the Hugging Face class its config names.
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                      "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM",
                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                     "qwen3moe": "Qwen3MoeForCausalLM"}
+                     "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
 # GGUF architecture → the Hugging Face model_type (where they differ).
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -159,7 +160,7 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
             f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     experts = metadata.get(f"{arch}.expert_count", 0)
-    if experts and arch not in ("llama", "qwen3moe"):
+    if experts and arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models are not supported (Mixtral, as "
                                     "llama with experts, is)")
     if arch == "gpt2":
@@ -218,6 +219,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
         _mixtral_config(config, metadata, src)
     if arch == "qwen3moe":
         _qwen3moe_config(config, metadata, src)
+    if arch == "qwen2moe":
+        _qwen2moe_config(config, metadata, src)
     if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
         del config["mlp_bias"]
         if metadata.get("olmo2.attention.sliding_window"):
@@ -290,6 +293,24 @@ def _qwen3moe_config(config: dict, metadata: dict, src: Path) -> None:
                   mlp_only_layers=[], moe_intermediate_size=positive_int(metadata, "qwen3moe.expert_feed_forward_length",
                                                                           src))
     del config["mlp_bias"]
+
+
+def _qwen2moe_config(config: dict, metadata: dict, src: Path) -> None:
+    """Qwen2-MoE as llama.cpp runs it (src/models/qwen2moe.cpp): every layer sparse, the top-k
+    softmax weights never renormalized, a shared expert (expert_shared_feed_forward_length rows,
+    feed_forward_length where absent) behind its sigmoid gate, q/k/v biases, no window."""
+    experts = positive_int(metadata, "qwen2moe.expert_count", src)
+    used = positive_int(metadata, "qwen2moe.expert_used_count", src)
+    if used > experts:
+        raise WeightsError(f"{src}: qwen2moe.expert_used_count {used} exceeds qwen2moe.expert_count {experts}")
+    inter = config["intermediate_size"]
+    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=False, decoder_sparse_step=1,
+                  mlp_only_layers=[], qkv_bias=True, use_sliding_window=False,
+                  moe_intermediate_size=positive_int(metadata, "qwen2moe.expert_feed_forward_length", src,
+                                                     default=max(inter // used, 1)),
+                  shared_expert_intermediate_size=positive_int(metadata, "qwen2moe.expert_shared_feed_forward_length",
+                                                               src, default=inter))
+    del config["attention_bias"], config["mlp_bias"]
 
 
 # Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
@@ -552,6 +573,17 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             del per_layer[f"{leaf}.weight"]
         per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
                           "mlp.gate.weight": (config["num_experts"], h)})
+        for e in range(config["num_experts"]):
+            per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (m, h), f"mlp.experts.{e}.up_proj.weight": (m, h),
+                              f"mlp.experts.{e}.down_proj.weight": (h, m)})
+    if config["model_type"] == "qwen2_moe":  # qwen2's biases; every layer: a router, experts and a shared expert
+        m, sh = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            del per_layer[f"{leaf}.weight"]
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                          "mlp.gate.weight": (config["num_experts"], h), "mlp.shared_expert_gate.weight": (1, h),
+                          "mlp.shared_expert.gate_proj.weight": (sh, h), "mlp.shared_expert.up_proj.weight": (sh, h),
+                          "mlp.shared_expert.down_proj.weight": (h, sh)})
         for e in range(config["num_experts"]):
             per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (m, h), f"mlp.experts.{e}.up_proj.weight": (m, h),
                               f"mlp.experts.{e}.down_proj.weight": (h, m)})

@@ -71,7 +71,7 @@ _GEMMA = (
 )
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma3_text")
 TABLES = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gpt2": _GPT2, "olmo2": _OLMO2, "mixtral": _MIXTRAL,
-          "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE, "phi3": _PHI3,
+          "qwen2moe": _QWEN_MOE, "qwen2_moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE, "phi3": _PHI3,
           **{a: _GEMMA for a in GEMMA_ARCHITECTURES}}
 _EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 # GPT-2's Conv1D weights (HF names): [in, out] in the checkpoint, [out, in] in the GGUF

@@ -25,8 +25,11 @@ Gemma2Model/Gemma3Model write it, the soft-caps, the window and the sliding laye
 layer, attention.sliding_window_pattern), gemma3's local RoPE base (rope.freq_base_swa); a
 query_pre_attn_scalar other than the one llama.cpp derives (head_dim; hidden / heads for the
 27B's layer count) is refused, as is a gemma2 with an untied head or without caps; mixtral (as
-llama with llama.expert_count / expert_used_count) and qwen3moe: each layer's per-expert
-tensors stacked into ffn_{gate,up,down}_exps [experts, rows, cols], the router ffn_gate_inp F32.
+llama with llama.expert_count / expert_used_count), qwen3moe and qwen2moe: each layer's per-expert
+tensors stacked into ffn_{gate,up,down}_exps [experts, rows, cols], the router ffn_gate_inp F32
+(qwen2moe: its shared expert as ffn_{gate,up,down}_shexp, the shared expert's gate
+ffn_gate_inp_shexp F32; llama.cpp's qwen2moe never renormalizes the top-k weights, makes every
+layer sparse, has no window and needs its own output tensor).
 Everything that can be refused is checked before a byte is written; the file is written
 beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
@@ -61,13 +64,13 @@ FILE_TYPES: dict[str, int] = {
 # twice's model_type → llama.cpp's architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                  "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                 "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+                 "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 # Where a model's tensor names are not its architecture's table (gguf_names.TABLES).
 _NAMES = {"mixtral": "mixtral"}
 # Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
 # written as files (the writer would have to stack their experts as llama.cpp does).
 # gemma3 image-text checkpoints: their text model quantizes as gemma3_text's (files: not written).
-_IN_MEMORY_ONLY = {"qwen2_moe": "qwen2moe", "gemma3": "gemma3"}
+_IN_MEMORY_ONLY = {"gemma3": "gemma3"}
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -217,6 +220,23 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
                                         "has no GGUF form (llama.cpp's qwen3moe makes every layer sparse)")
         if config.sliding_window is not None:
             raise UnsupportedModelError(f"{folder}: qwen3_moe with sliding_window has no GGUF form")
+    if config.model_type == "qwen2_moe":  # llama.cpp's qwen2moe (src/models/qwen2moe.cpp)
+        o = config.options
+        if o.renormalize:
+            raise UnsupportedModelError(f"{folder}: qwen2_moe with norm_topk_prob true has no GGUF form (llama.cpp's "
+                                        "qwen2moe never renormalizes the top-k weights)")
+        if not all(o.sparse):
+            raise UnsupportedModelError(f"{folder}: qwen2_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
+                                        "has no GGUF form (llama.cpp's qwen2moe makes every layer sparse)")
+        if config.sliding_window is not None:
+            raise UnsupportedModelError(f"{folder}: qwen2_moe with sliding-window layers (use_sliding_window) has no "
+                                        "GGUF form")
+        if not o.shared_intermediate:
+            raise UnsupportedModelError(f"{folder}: qwen2_moe without a shared expert has no GGUF form (llama.cpp's "
+                                        "qwen2moe needs one)")
+        if config.tie_word_embeddings:
+            raise UnsupportedModelError(f"{folder}: qwen2_moe with a tied lm_head has no GGUF form (llama.cpp's "
+                                        "qwen2moe needs its own output tensor)")
     if config.hidden_act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
                                     f"{config.model_type} (llama.cpp uses SiLU)")
@@ -308,11 +328,13 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
     rope = config.rope_parameters or {}
     if arch == "phi3":
         kv += _phi3_metadata(config, raw, rope)
-    if config.model_type in ("mixtral", "qwen3_moe"):
+    if config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe"):
         kv += [(f"{arch}.expert_count", "uint32", config.options.experts),
                (f"{arch}.expert_used_count", "uint32", config.options.top_k)]
-    if config.model_type == "qwen3_moe":
-        kv.append(("qwen3moe.expert_feed_forward_length", "uint32", config.options.expert_intermediate))
+    if config.model_type in ("qwen3_moe", "qwen2_moe"):
+        kv.append((f"{arch}.expert_feed_forward_length", "uint32", config.options.expert_intermediate))
+    if config.model_type == "qwen2_moe":
+        kv.append(("qwen2moe.expert_shared_feed_forward_length", "uint32", config.options.shared_intermediate))
     if arch in ("gemma2", "gemma3"):
         kv += _gemma_metadata(config, arch)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
@@ -609,7 +631,8 @@ def _phi3_factors(config: ModelConfig, arch: str) -> list[TensorPlan]:
 
 def _keeps_float(p: TensorPlan) -> bool:
     """llama.cpp never quantizes 1-D tensors, norms, biases or position embeddings."""
-    return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight"))  # + MoE routers
+    return (len(p.shape) < 2 or p.name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight",  # + MoE routers
+                                                 "ffn_gate_inp_shexp.weight"))  # ([1, hidden]: 1-D to ggml)
             or p.name == "position_embd.weight" or p.name in _SETTINGS_TENSORS)
 
 

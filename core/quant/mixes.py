@@ -47,8 +47,8 @@ ALIASES: dict[str, str] = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
 FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
-_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj",
-                  "ssm_conv1d", "attn_rel_b.weight", ".position_embd", ".rel_pos", ".patch_embd")
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "altup", "laurel",
+                  "per_layer_model_proj", "ssm_conv1d", "attn_rel_b.weight", ".position_embd", ".rel_pos", ".patch_embd")
 
 
 def mixture_name(mixture: str) -> str:
