@@ -190,6 +190,8 @@ def speculation_rows(t: Table, s: dict | None) -> None:
     t.add_row("speculation", "proposer", f"{s['proposer']}",
               f"draft tokens per pass: {k}" + (" (1..8 or none, from the measured acceptance and costs)"
                                                if k == "adaptive" else " (--draft-tokens)"))
+    if s.get("drafting_off"):
+        t.add_row("", "drafting", "off", s["drafting_off"].removeprefix("drafting off: "))
     t.add_row("", "proposals", f"{s['proposals']:,}", "proposed tokens the model verified")
     t.add_row("", "accepted", f"{s['accepted']:,}", "of those, kept (equal to the model's own choice)")
     t.add_row("", "acceptance rate", f"{100 * s['acceptance_rate']:.1f}%", "accepted ÷ proposals")
@@ -209,7 +211,8 @@ def speculation_line(s: dict | None) -> str | None:
         return None
     return (f"speculate {s['proposer']}: {s['accepted']:,}/{s['proposals']:,} accepted "
             f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_target_pass']:.2f} tokens per pass, "
-            f"draft {seconds(s['draft_s'])} · verify {seconds(s['verify_s'])}")
+            f"draft {seconds(s['draft_s'])} · verify {seconds(s['verify_s'])}"
+            + ("; drafting off (it cannot pay)" if s.get("drafting_off") else ""))
 
 
 def weights_words(r) -> str:

@@ -3,10 +3,14 @@ all in one forward pass.
 
 A decode step reads every weight to produce one token; a forward of K + 1 tokens reads them
 once for all K + 1 positions. So a proposer guesses K tokens, the target runs ONE pass over
-[last token, guess 1 .. guess K] (`model(ids, cache, all_logits=True)`: the eager layers take
-several new tokens after cached ones; block-quantized weights go through the integer kernel
-for up to 64 rows), and keeps the longest run of guesses it agrees with plus one token of its
-own: between 1 and K + 1 tokens a pass.
+[last token, guess 1 .. guess K], and keeps the longest run of guesses it agrees with plus
+one token of its own: between 1 and K + 1 tokens a pass. Where the native step runs the
+target (native_decode), the pass is NativeDecoder.verify: ONE decode.c call with K + 1
+"virtual rows" of the one cache row, whose logits are bit for bit those of K + 1 sequential
+native steps (its matrix kernels are batch invariant), so greedy speculation gives exactly
+plain greedy's tokens on quantized models too. Elsewhere the eager layers run it
+(`model(ids, cache, all_logits=True)`; block weights through the integer kernel for up to
+64 rows), equal to the eager step up to the last bits.
 
 Proposers:
 - `Draft`: a second, smaller model with its own KV cache (same token ids as the target).
@@ -18,7 +22,8 @@ Proposers:
 Acceptance (`verify`):
 - greedy: a guess is kept while it equals the target's argmax at its position; the target's
   argmax after the last kept guess is the extra token. Identical tokens to decoding without
-  speculation (up to the last bits of a K + 1-token pass against a one-token step).
+  speculation (bit for bit through the native verify; through the eager pass up to the last
+  bits of a K + 1-token pass against a one-token step).
 - sampling (Leviathan et al. 2023, Chen et al. 2023): keep guess d with probability
   min(1, p(d) / q(d)); on rejection draw from norm(max(0, p − q)) and stop; after K kept
   guesses draw the extra token from p. p and q are the target's and the proposer's
@@ -40,6 +45,12 @@ are (1 − a^(K+1)) / (1 − a) (Leviathan et al.), so the rate is that over K·
 maximizes it, or no drafting where the best rate is below 1 / s. While not drafting, a pass
 with guesses is retried after 8, 16, ..., 128 plain steps to see whether things changed.
 `draft_tokens` fixes K.
+
+A draft model with adaptive K is planned before it runs (Speculator): the probes' verify
+passes take free guesses (lookup's, padded), the draft's step is timed once on a dummy cache,
+and where no K pays with every guess kept, or what that best case saves over the tokens left
+does not repay the draft's prefill (estimated from the target's prefill rate), drafting is off
+for the request: the draft is never prefilled, and one Notice says why.
 
 This module never prints; the engine yields its events.
 """
@@ -231,12 +242,14 @@ class Adaptive:
         self.plain_run += 1
 
     def record_pass(self, k: int, kept: int, rejected: bool, draft_seconds: float, verify_seconds: float,
-                    draft_step: float | None = None) -> None:
-        """A verify pass of k guesses; draft_step: one draft step's time if measured apart
-        from a catch-up (else draft_seconds / k)."""
+                    draft_step: float | None = None, steps_apart: bool = False) -> None:
+        """A verify pass of k guesses. steps_apart (a draft model): draft_step is one draft
+        step's time measured apart from any catch-up (None: none was, the estimate stays);
+        else the draft cost is draft_seconds / k."""
         self.plain_run = 0
-        per = draft_step if draft_step is not None else draft_seconds / k
-        self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per
+        per = draft_step if steps_apart else draft_seconds / k
+        if per is not None:
+            self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per
         self.record_verify(k, verify_seconds)
         self.kept = DECAY * self.kept + kept
         self.judged = DECAY * self.judged + kept + (1 if rejected else 0)
@@ -251,16 +264,25 @@ class Adaptive:
         step, c = self.step or 0.0, self.draft or 0.0
         return max((expected_tokens(1.0, k) * step / (k * c + self.verify_cost(k)), k) for k in range(1, self.most + 1))
 
-    def unpaid(self) -> str | None:
-        """The one-line reason drafting cannot pay at any K (module doc), or None."""
+    def unpaid(self, tokens_left: int | None = None, catch_up: tuple[int, float] = (0, 0.0)) -> str | None:
+        """The one-line reason drafting cannot pay at any K (module doc), or None: at best
+        (every guess kept) a pass is slower than plain steps, or what the best case saves over
+        the `tokens_left` does not repay catch_up = (tokens, seconds), the draft's prefill of
+        the text it lacks."""
         if self.step is None or any(k not in self.verify for k in PROBES if k <= self.most):
             return None
         best, k = self.best_case()
-        if best >= 1.0:
+        n, seconds = catch_up
+        saved = (tokens_left or 0) * self.step * (1.0 - 1.0 / best) if best > 1.0 else 0.0
+        if best > 1.0 and (tokens_left is None or saved >= seconds):
             return None
-        return (f"drafting off: a draft step costs {(self.draft or 0.0) / self.step:.2f} of a target step, a verify "
-                f"pass of {k + 1} {self.verify_cost(k) / self.step:.2f} steps (at best, every proposal kept, "
-                f"{best:.2f}x the model alone)")
+        words = (f"drafting off: a draft step costs {(self.draft or 0.0) / self.step:.2f} of a target step, a verify "
+                 f"pass of {k + 1} {self.verify_cost(k) / self.step:.2f} steps (at best, every proposal kept, "
+                 f"{best:.2f}x the model alone")
+        if best > 1.0 and tokens_left is not None:
+            words += (f", saving ~{saved:.1f} s over {tokens_left} tokens, less than the draft's prefill of {n} "
+                      f"tokens, ~{seconds:.1f} s")
+        return words + ")"
 
 
 # -- proposers -------------------------------------------------------------------------
@@ -492,6 +514,16 @@ class Speculator:
         self.planning = fixed_k is None and isinstance(proposer, Draft)
         self.free = Lookup() if self.planning else None
         self.notice: str | None = None  # set once when drafting turns off (decode yields it)
+        self.prefill_per_token = 0.0  # the target's prefill seconds per prompt token (decode sets it)
+
+    def _catch_up(self, seq: list[int]) -> tuple[int, float]:
+        """(tokens, estimated seconds) of the draft's prefill of what of `seq` it lacks: the
+        target's prefill rate times the draft's cost relative to a target step."""
+        n = len(seq) - min(_common_prefix(self.proposer.ids, seq), len(seq) - 1)
+        if n <= CATCH_UP_NATIVE:
+            return n, n * (self.adaptive.draft or 0.0)
+        ratio = (self.adaptive.draft or 0.0) / self.adaptive.step if self.adaptive.step else 1.0
+        return n, n * self.prefill_per_token * ratio
 
     def _plain(self, engine, seq: list[int], cache: KVCache, sampler, draft_seconds: float = 0.0):
         s = self.stats
@@ -538,7 +570,7 @@ class Speculator:
                 return tokens, seconds
             self.planning, self.free = False, None
             self.adaptive.draft = self.proposer.step_seconds()
-            if (reason := self.adaptive.unpaid()) is not None:
+            if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq))) is not None:
                 self._stop(reason)
                 return self._plain(engine, seq, cache, sampler)
             k = min(self.adaptive.choose(), room)
@@ -552,14 +584,15 @@ class Speculator:
         tokens, kept, verify_seconds = self._verify(engine, seq, cache, sampler, guesses, q)
         if isinstance(self.proposer, Draft):
             self.proposer.rollback(seq + tokens)
+        drafted = isinstance(self.proposer, Draft)
         self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds,
-                                  getattr(self.proposer, "last_step", None))
+                                  self.proposer.last_step if drafted else None, steps_apart=drafted)
         s.proposed, s.accepted = s.proposed + len(guesses), s.accepted + kept
         s.passes, s.verify_passes, s.tokens = s.passes + 1, s.verify_passes + 1, s.tokens + len(tokens)
         s.draft_seconds, s.verify_seconds = s.draft_seconds + draft_seconds, s.verify_seconds + verify_seconds
         s.k_used[len(guesses)] = s.k_used.get(len(guesses), 0) + 1
-        if self.adaptive.fixed is None and isinstance(self.proposer, Draft):
-            if (reason := self.adaptive.unpaid()) is not None:
+        if self.adaptive.fixed is None and drafted:
+            if (reason := self.adaptive.unpaid(room + 1)) is not None:
                 self._stop(reason)
         return tokens, draft_seconds + verify_seconds
 
@@ -577,6 +610,7 @@ def decode(engine, row, cache: KVCache, sampler, logits: torch.Tensor, start: fl
         sampler.observe(chosen)
     pending = [int(chosen[0])]
     step_seconds = prefill_seconds
+    speculator.prefill_per_token = prefill_seconds / max(1, len(row.ids) - row.reused)
     while True:
         now = time.perf_counter()
         for token in pending:

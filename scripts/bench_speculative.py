@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -65,16 +66,20 @@ def resolve(ref: str) -> str:
 
 
 def verify_costs(model, config, reps: int) -> dict:
-    """{K: verify(K+1) time / one decode step}, the step as the engine runs it."""
+    """{K: verify(K+1) time / one decode step} for the native verify pass (NativeDecoder.verify:
+    what speculation runs when the native step runs the target) and, as "eager", for the eager
+    layers' K+1-token forward; the step as the engine runs it, after a 64-token prompt."""
     import torch
 
     from twice.core.cache import KVCache
     from twice.core.engine import Engine
+    from twice.core.native_decode import NativeDecoder
 
     engine = Engine(model, None, ())
     first = next(model.parameters())
     cache = KVCache(config, 1, 128, first.dtype, first.device, kv_heads=model.kv_heads)
     ids = torch.arange(64).unsqueeze(0) % config.vocab_size
+    native = engine.fast if isinstance(engine.fast, NativeDecoder) else None
     with torch.inference_mode():
         model(ids, cache)
         base = cache.length
@@ -90,9 +95,12 @@ def verify_costs(model, config, reps: int) -> dict:
 
         token = torch.tensor([[5]])
         step = timed(lambda: engine.fast(token, cache) if engine.fast else model(token, cache))
-        out = {"step_s": step}
+        out = {"step_s": step, "path": "native" if native else "eager", "eager": {}}
         for k in range(1, 9):
-            out[k] = timed(lambda: model(torch.arange(k + 1).unsqueeze(0) + 7, cache, all_logits=True)) / step
+            if native is not None:
+                out[k] = timed(lambda: native.verify(torch.arange(k + 1) + 7, cache)) / step
+            out["eager"][k] = timed(lambda: model(torch.arange(k + 1).unsqueeze(0) + 7, cache, all_logits=True)) / step
+            out.setdefault(k, out["eager"][k])
     return out
 
 
@@ -120,6 +128,24 @@ def predicted(spec: dict, step: float) -> float | None:
     return tokens / (plain * step + vp * (k * c + v)) * step
 
 
+def peer_lookup(args, gguf: str, prompts: dict) -> dict | None:
+    """llama.cpp's plain greedy and prompt-lookup decode tok/s (scripts/peer_lookup.py in the
+    llama-cpp-python venv), on the same GGUF, threads and prompt token ids."""
+    import subprocess
+
+    if not args.peer_python or not Path(args.peer_python).exists() or not gguf.endswith(".gguf"):
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"gguf": gguf, "threads": args.threads, "new_tokens": args.tokens, "rounds": args.rounds,
+                   "num_pred_tokens": args.peer_pred_tokens, "max_ngram_size": 2, "prompts": prompts}, f)
+    done = subprocess.run([args.peer_python, str(HERE / "peer_lookup.py"), f.name], capture_output=True, text=True)
+    Path(f.name).unlink()
+    if done.returncode != 0:
+        print(f"llama.cpp lookup: failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    return json.loads(done.stdout)
+
+
 def run(args) -> dict:
     import torch
 
@@ -129,43 +155,78 @@ def run(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    draft = load(resolve(args.draft), device="cpu", dtype=args.dtype)
+    load_before = os.getloadavg()
+    modes = [m for m in ("lookup", "draft") if m in args.modes.split(",")]
+    draft = load(resolve(args.draft), device="cpu", dtype=args.dtype) if "draft" in modes else None
     target = load(resolve(args.target), device="cpu", dtype=args.dtype)
-    report = {"target": target.name, "draft": draft.name, "threads": torch.get_num_threads(),
-              "tokens": args.tokens, "verify_over_step": verify_costs(target.model, target.config, args.reps)}
-    print(f"verify(K+1) / step: " + ", ".join(f"K={k} {report['verify_over_step'][k]:.2f}" for k in range(1, 9)),
-          flush=True)
+    report = {"target": target.name, "draft": draft.name if draft else None, "threads": torch.get_num_threads(),
+              "tokens": args.tokens, "rounds": args.rounds, "load_average_before": load_before}
+    if args.reps:
+        costs = verify_costs(target.model, target.config, args.reps)
+        report["verify_over_step"] = costs
+        print(f"verify(K+1) / step ({costs['path']}): " + ", ".join(f"K={k} {costs[k]:.2f}" for k in range(1, 9)),
+              flush=True)
+        if costs["path"] == "native":
+            print("verify(K+1) / step (eager): " + ", ".join(f"K={k} {costs['eager'][k]:.2f}" for k in range(1, 9)),
+                  flush=True)
     greedy = SamplingParams()
-    engines = {"plain": Engine(target.model, target.tokenizer, target.eos_token_ids),
-               "lookup": Engine(target.model, target.tokenizer, target.eos_token_ids),
-               "draft": Engine(target.model, target.tokenizer, target.eos_token_ids, draft=draft.model)}
-    rows = []
+    engines = {"plain": Engine(target.model, target.tokenizer, target.eos_token_ids)}
+    if "lookup" in modes:
+        engines["lookup"] = Engine(target.model, target.tokenizer, target.eos_token_ids)
+    if draft is not None:
+        engines["draft"] = Engine(target.model, target.tokenizer, target.eos_token_ids, draft=draft.model)
+    rows, prompt_ids, plain_tokens = [], {}, {}
     for name, text in PROMPTS.items():
+        if name not in args.prompts.split(","):
+            continue
         messages = [{"role": "user", "content": text}] if target.tokenizer.chat_template else None
         request = Request(messages=messages) if messages else Request(text=text)
-        results = {}
-        for mode, engine in engines.items():
-            engine.reset()
-            settings = GenerationSettings(max_new_tokens=args.tokens, sampling=greedy, lookup=mode == "lookup",
-                                          ignore_eos=True, draft_tokens=args.draft_tokens,
-                                          truncate="left" if args.tiny else None)
-            results[mode] = [e for e in engine.generate(request, settings) if isinstance(e, Done)][0].result
-        plain = results["plain"]
-        step = statistics.median(plain.step_seconds) if plain.step_seconds else 0.0
-        for mode in ("lookup", "draft"):
-            r = results[mode]
+        results: dict[str, list] = {mode: [] for mode in engines}
+        order = list(engines)
+        for r in range(args.rounds):  # paired, alternating: plain first on even rounds, last on odd ones
+            for mode in (order if r % 2 == 0 else order[::-1]):
+                engine = engines[mode]
+                engine.reset()
+                settings = GenerationSettings(max_new_tokens=args.tokens, sampling=greedy, lookup=mode == "lookup",
+                                              ignore_eos=True, draft_tokens=args.draft_tokens,
+                                              truncate="left" if args.tiny else None)
+                if not prompt_ids.get(name):
+                    prompt_ids[name] = engine._tokenize(request, settings)[0]
+                results[mode].append([e for e in engine.generate(request, settings) if isinstance(e, Done)][0].result)
+        plains = results["plain"]
+        plain_tokens[name] = plains[0].token_ids
+        plain_rate = statistics.median(p.decode_tokens_per_second for p in plains)
+        step = statistics.median(t for p in plains for t in p.step_seconds) if plains[0].step_seconds else 0.0
+        for mode in modes:
+            runs = results[mode]
+            rate = statistics.median(x.decode_tokens_per_second for x in runs)
+            r = sorted(runs, key=lambda x: x.decode_tokens_per_second)[len(runs) // 2]
             spec = r.speculation
-            row = {"prompt": name, "mode": mode, "plain_tok_s": plain.decode_tokens_per_second,
-                   "tok_s": r.decode_tokens_per_second,
-                   "speedup": r.decode_tokens_per_second / plain.decode_tokens_per_second,
-                   "predicted_speedup": predicted(spec, step), "same_tokens": r.token_ids == plain.token_ids,
+            row = {"prompt": name, "mode": mode, "plain_tok_s": plain_rate, "tok_s": rate,
+                   "speedup": rate / plain_rate,
+                   "speedup_rounds": [x.decode_tokens_per_second / p.decode_tokens_per_second
+                                      for x, p in zip(runs, plains)],
+                   "predicted_speedup": predicted(spec, step),
+                   "same_tokens": all(x.token_ids == plains[0].token_ids for x in runs + plains),
                    "speculation": spec}
             rows.append(row)
+            off = f"  [{spec['drafting_off']}]" if spec.get("drafting_off") else ""
             print(f"{name:10s} {mode:6s} plain {row['plain_tok_s']:6.1f} tok/s  {mode} {row['tok_s']:6.1f} tok/s  "
                   f"x{row['speedup']:.2f} (predicted x{row['predicted_speedup']:.2f})  accepted "
                   f"{100 * spec['acceptance_rate']:.0f}%  {spec['tokens_per_target_pass']:.2f} tok/pass  "
-                  f"K used {spec['k_used']}  same tokens {row['same_tokens']}", flush=True)
+                  f"K used {spec['k_used']}  same tokens {row['same_tokens']}{off}", flush=True)
     report["rows"] = rows
+    if "llama.cpp" in args.modes.split(","):
+        peer = peer_lookup(args, resolve(args.target), prompt_ids)
+        report["llama_cpp_lookup"] = peer
+        for name, r in (peer or {}).items():
+            p, q = statistics.median(r["plain"]), statistics.median(r["lookup"])
+            print(f"{name:10s} llama.cpp plain {p:6.1f} tok/s  lookup {q:6.1f} tok/s  x{q / p:.2f}  "
+                  f"(LlamaPromptLookupDecoding, {args.peer_pred_tokens} tokens, n-gram 2; its tokens = twice's "
+                  f"plain greedy: {r['lookup_tokens'] == plain_tokens[name]}, its own plain: "
+                  f"{r['lookup_tokens'] == r['plain_tokens']})", flush=True)
+    report["load_average_after"] = os.getloadavg()
+    print(f"load average before {load_before[0]:.2f}, after {report['load_average_after'][0]:.2f}", flush=True)
     return report
 
 
@@ -178,6 +239,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--draft-tokens", type=int, default=None, help="fix K (default adaptive)")
+    p.add_argument("--rounds", type=int, default=1, help="paired rounds (plain and each mode alternate; medians)")
+    p.add_argument("--prompts", default=",".join(PROMPTS), help="which prompts (comma-separated)")
+    p.add_argument("--modes", default="lookup,draft,llama.cpp",
+                   help="lookup, draft, llama.cpp (its prompt-lookup mode, via --peer-python)")
+    p.add_argument("--peer-python", default="/work/peer-venv/bin/python",
+                   help="a python with llama-cpp-python 0.3.36 (scripts/peer_lookup.py runs in it)")
+    p.add_argument("--peer-pred-tokens", type=int, default=10, help="LlamaPromptLookupDecoding's num_pred_tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (a smoke run)")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args()

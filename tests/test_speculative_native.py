@@ -184,3 +184,42 @@ def test_rollback_then_continue_equals_plain(loaded):
     follow = PROMPT + a.text + " and again"
     a2, b2 = generate(plain, text=follow), generate(spec, text=follow, draft_tokens=4)
     assert a2.token_ids == b2.token_ids and b2.reused_tokens == a2.reused_tokens > 0
+
+
+# -- drafting that cannot pay is not paid for ----------------------------------------------------
+def test_unpaid_says_when_no_k_pays_even_with_every_guess_kept():
+    a = speculative.Adaptive()
+    a.record_plain(1.0)
+    assert a.unpaid() is None  # the verify costs are not measured yet
+    for k in speculative.PROBES:
+        a.record_verify(k, 1.0 + 0.5 * k)  # v(K) = 1 + K/2 steps
+    a.draft = 0.75
+    reason = a.unpaid()
+    assert reason.startswith("drafting off: a draft step costs 0.75 of a target step, a verify pass of ")
+    a.draft = 0.1  # cheap drafts: at best (K + 1) / (0.1 K + 1 + K / 2) > 1
+    assert a.unpaid() is None and a.unpaid(100, (50, 20.0)) is None
+    best, _ = a.best_case()
+    assert best > 1.0
+    reason = a.unpaid(10, (200, 60.0))  # ten tokens cannot repay a minute of prefill
+    assert "less than the draft's prefill of 200 tokens" in reason
+
+
+def test_a_draft_that_cannot_pay_is_never_prefilled(loaded, monkeypatch):
+    """Probes of free guesses measure v(K); with the draft's step at 100 target steps no K
+    pays: the draft never runs (its cache is never made), one Notice says why, the JSON
+    carries it, and the tokens are the model's own."""
+    target, other = loaded("llama", "q8_0"), loaded("llama", draft=True)
+    monkeypatch.setattr(speculative.Draft, "step_seconds", lambda self: 100.0 * (self.measured_step or 1.0))
+    plain = generate(engine(target)).token_ids
+    e = engine(target, other)
+    events = list(e.generate(Request(text=PROMPT), GenerationSettings(max_new_tokens=24, ignore_eos=True)))
+    notes = [ev.message for ev in events if type(ev).__name__ == "Notice"]
+    result = events[-1].result
+    assert result.token_ids == plain
+    assert len(notes) == 1 and notes[0].startswith("drafting off: a draft step costs ")
+    s = result.speculation
+    assert s["drafting_off"] == notes[0] and s["proposals"] == 0 and s["probe_passes"] == len(speculative.PROBES)
+    assert e.draft.cache is None and e.draft.ids == []
+    # A fixed --draft-tokens is the user's choice: no plan, the draft runs.
+    fixed = generate(engine(target, other), draft_tokens=2)
+    assert fixed.token_ids == plain and fixed.speculation["proposals"] > 0 and fixed.speculation["drafting_off"] is None
