@@ -188,6 +188,10 @@ static inline __attribute__((always_inline)) void tile_kquant(const int T, const
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bs;
+        _mm_prefetch((const char *)blk + QD_PREFETCH, _MM_HINT_T0); /* qdot.h */
+        _mm_prefetch((const char *)blk + QD_PREFETCH + 64, _MM_HINT_T0);
+        if (bs > 128) _mm_prefetch((const char *)blk + QD_PREFETCH + 128, _MM_HINT_T0);
+        if (bs > 192) _mm_prefetch((const char *)blk + QD_PREFETCH + 192, _MM_HINT_T0);
         float d, dmin = 0.0f;
         __m128i s8; /* the 16 scales (one per 16 values), int8 or uint8 */
         __m256i m16; /* the 16 mins (or offset·scale) as int16 */

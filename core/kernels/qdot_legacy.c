@@ -162,6 +162,10 @@ static inline __attribute__((always_inline)) void tile_legacy(const int T, const
     const uint8_t *blk = w;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, blk += 2 * bs) {
+        /* the weights stream from memory once: ask for them QD_PREFETCH bytes ahead (the
+         * hardware prefetcher alone kept a core at ~60% of its read bandwidth) */
+        _mm_prefetch((const char *)blk + QD_PREFETCH, _MM_HINT_T0);
+        if (2 * bs > 64) _mm_prefetch((const char *)blk + QD_PREFETCH + 64, _MM_HINT_T0);
         legacy_step(T, NR, blk, xp, dp, op, even, accm);
         legacy_step(T, NR, blk + bs, xp, dp, op, odd, accm);
     }
