@@ -583,33 +583,39 @@ def create_app(state: State):
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
+    def check_queue():
+        if state.worker.queued >= config.max_queue:
+            raise ApiError(429, f"too many requests waiting ({config.max_queue}, --max-queue); retry later",
+                           "rate_limit_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER)})
+
     async def complete(request: HttpRequest, chat: bool):
         arrived = time.perf_counter()
         if state.draining:
             raise ApiError(503, "the server is shutting down", "server_error", "draining")
         body = await read_body(request)
         job = state.parser.parse(body, chat)
-        if state.worker.queued >= config.max_queue:
-            raise ApiError(429, f"too many requests waiting ({config.max_queue}, --max-queue); retry later",
-                           "rate_limit_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER)})
+        check_queue()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def sink(event):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        future = state.worker.submit(job.request, job.settings, sink, logprobs=job.logprobs, presence_penalty=job.presence,
-                                     frequency_penalty=job.frequency, submitted=arrived)
+        from twice.core.errors import TwiceError
+
         try:
+            # Tokenized here, on a thread of the pool, not on the scheduler's thread between
+            # two steps (a long prompt would hold up every running row's next token).
+            prepared = await loop.run_in_executor(None, state.worker.scheduler.prepare, job.request, job.settings)
+            check_queue()  # again: others may have queued while this one was tokenized
+            future = state.worker.submit(prepared, job.settings, sink, logprobs=job.logprobs,
+                                         presence_penalty=job.presence, frequency_penalty=job.frequency,
+                                         submitted=arrived)
             seq_id = await asyncio.wrap_future(future)
         except ApiError:
             raise
-        except Exception as e:  # the scheduler refused it: TwiceError (prompt too long, ...)
-            from twice.core.errors import TwiceError
-
-            if isinstance(e, TwiceError):
-                raise ApiError(400, str(e), code="invalid_prompt") from None
-            raise
+        except TwiceError as e:  # the scheduler refused it (prompt too long, empty, a bad schema, ...)
+            raise ApiError(400, str(e), code="invalid_prompt") from None
         reply = Reply(chat, config.model_name, state.parser.engine.tokenizer, job.logprobs)
         if job.stream:
             return StreamingResponse(stream(reply, job, seq_id, events, arrived, request),

@@ -59,6 +59,7 @@ from .sampling import Sampler
 PREFILL_CHUNK = 512  # prompt tokens prefilled per step, over all joining requests
 PREFIX_MIN = 16  # shortest shared prefix worth copying
 RETAINED = 4  # finished rows whose columns are kept as prefix sources
+HEADROOM = 4  # a relaid cache gets need/HEADROOM more columns than its rows need (see _relayout)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,17 @@ class _Seq:
         return self.row.ids + self.row.generated[:-1]
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request tokenized and checked by Scheduler.prepare, for submit."""
+
+    ids: list[int]
+    cut: int  # characters cut from the text's start before tokenizing (truncate="left")
+    dropped: int  # tokens dropped from the start (truncate="left")
+    max_new: int  # max new tokens, clamped to the context
+    seconds: float  # spent tokenizing
+
+
 @dataclass
 class _Retained:
     tokens: list[int]
@@ -146,19 +158,31 @@ class Scheduler:
         self.salvaged: list[object] = []
 
     # -- the public surface --------------------------------------------------------------
-    def submit(self, request: Request | list[int], settings: GenerationSettings, constraint=None,
-               logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               submitted: float | None = None) -> int:
-        """Queue a request; returns its id (the `row` of its events). A prompt that cannot be
-        served (empty, longer than the context, a failing chat template) raises TwiceError
-        here, before it is queued. `submitted`: when the request started (TTFT counts from it)."""
-        engine = self.engine
-        t = submitted if submitted is not None else time.perf_counter()
+    def prepare(self, request: Request | list[int], settings: GenerationSettings) -> Prepared:
+        """Tokenize a request and check its length (PromptError: empty, too long, a failing
+        chat template). It reads only the engine's tokenizer and config, never the cache or
+        the scheduler's state, so another thread may call it while this one steps (the
+        server tokenizes on its request threads, not between the batch's steps); `submit`
+        takes the result as it is."""
+        engine, t = self.engine, time.perf_counter()
         if not isinstance(request, Request):
             request = Request(ids=list(request))
         ids, cut = engine._tokenize(request, settings)
         ids, dropped = engine._truncate(ids, settings)
         max_new = engine._check_length(ids, settings)
+        return Prepared(ids, cut, dropped, max_new, time.perf_counter() - t)
+
+    def submit(self, request: Request | list[int] | Prepared, settings: GenerationSettings, constraint=None,
+               logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               submitted: float | None = None) -> int:
+        """Queue a request; returns its id (the `row` of its events). A prompt that cannot be
+        served (empty, longer than the context, a failing chat template) raises TwiceError
+        here, before it is queued (a `Prepared` request was checked by `prepare` already, with
+        these settings). `submitted`: when the request started (TTFT counts from it)."""
+        engine = self.engine
+        t = submitted if submitted is not None else time.perf_counter()
+        prepared = request if isinstance(request, Prepared) else self.prepare(request, settings)
+        ids, cut, dropped, max_new = prepared.ids, prepared.cut, prepared.dropped, prepared.max_new
         if constraint is None and settings.constraint is not None:  # structured output named in the settings
             from .constraints import build
             constraint = build(engine, settings.constraint)  # a bad spec: ConstraintError here, nothing queued
@@ -170,7 +194,8 @@ class Scheduler:
             self._notices.append(Notice(f"max new tokens lowered from {settings.max_new_tokens} to {max_new} to fit "
                                         f"the model's context of {engine.context_length} tokens", row=seq_id,
                                         context=True))
-        row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(), time.perf_counter() - t, 0)
+        tokenize = prepared.seconds if prepared is not request else 0.0
+        row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(), tokenize or time.perf_counter() - t, 0)
         row.constraint = constraint  # Engine._accept advances it and ends the row when it is complete
         sampler = Sampler([settings.sampling], [ids], engine.config.vocab_size, engine.device)
         seq = _Seq(seq_id, row, sampler, constraint, logprobs, float(presence_penalty), float(frequency_penalty), t)
@@ -384,16 +409,23 @@ class Scheduler:
 
     def _relayout(self, joining: list[_Seq]) -> None:
         """A new batch cache: the running rows (shifted so that the oldest starts at column 0,
-        or later to make room for a longer joining prompt) and the joining ones, capacity
-        for every row's remaining tokens."""
+        or later to make room for a longer prompt) and the joining ones, capacity for every
+        row's remaining tokens. Headroom for the requests still waiting or prefilling: the
+        columns so far reach their longest prompt and the capacity their largest output, and
+        a quarter more of that output, so that they join into free rows later without another
+        layout (a column left of a row's start costs no compute on the native step: it reads
+        from the row's start; it costs memory, rows x columns)."""
         engine, old = self.engine, self.cache
         keep = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.state == "running"]
         lo = min((self._start(i) for i, _ in keep), default=0)
         span = (old.length - lo) if keep else 0
-        length = max([span] + [s.own.length for s in joining])
+        later = list(self.waiting) + self.prefilling
+        length = max([span] + [s.own.length for s in joining] + [len(s.row.ids) for s in later])
         rows = len(keep) + len(joining)
-        need = max(self._remaining(s) for _, s in keep + [(None, j) for j in joining])
+        need = max([self._remaining(s) for _, s in keep] + [self._remaining(j) for j in joining]
+                   + [s.row.max_new for s in later])
         capacity = length + max(need, 1)
+        capacity = max(capacity, min(capacity + need // HEADROOM, engine.context_length))
         capacity = -(-capacity // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
         cache = KVCache(engine.config, rows, capacity, engine.dtype, engine.device, kv_heads=engine.model.kv_heads,
                         kv_dtype=engine.kv_dtype)
@@ -560,4 +592,4 @@ def _apply_constraint(constraint, logits: torch.Tensor) -> torch.Tensor:
     return logits.float().masked_fill(~mask, float("-inf"))
 
 
-__all__ = ["Scheduler", "Token", "Counters", "Done", "Failed", "Notice", "PREFILL_CHUNK", "TwiceError"]
+__all__ = ["Scheduler", "Prepared", "Token", "Counters", "Done", "Failed", "Notice", "PREFILL_CHUNK", "TwiceError"]

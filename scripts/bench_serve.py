@@ -156,7 +156,7 @@ async def client_level(url: str, model: str, jobs: list[tuple[str, int]], client
     """`clients` streaming clients over the jobs (each takes the next one when done)."""
     import httpx
 
-    ttft, itl, tokens, short = [], [], [0], [0]
+    ttft, itl, tokens, short, errors = [], [], [0], [0], []
     queue = list(jobs)
 
     async def one_client(http):
@@ -172,7 +172,10 @@ async def client_level(url: str, model: str, jobs: list[tuple[str, int]], client
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    choices = json.loads(line[6:]).get("choices") or []
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # the stream ended with an error object
+                        errors.append(chunk["error"].get("message", str(chunk["error"])))
+                    choices = chunk.get("choices") or []
                     if not choices:
                         continue
                     finish = choices[0].get("finish_reason") or finish
@@ -197,7 +200,7 @@ async def client_level(url: str, model: str, jobs: list[tuple[str, int]], client
     return {"clients": clients, "requests": len(jobs), "tokens": tokens[0], "ended_early": short[0], "wall_s": wall,
             "tokens_per_s": tokens[0] / wall, "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "load_before": before,
-            "load_after": load_average()}
+            "load_after": load_average(), "errors": len(errors), "first_error": errors[0] if errors else None}
 
 
 def sequential(engine, jobs) -> list[dict]:
@@ -331,6 +334,9 @@ def main() -> None:
                     results[name][n].append(res)
                     print(f"round {r + 1} {name} {n} clients: {res['tokens_per_s']:.1f} tok/s "
                           f"(load {res['load_before']}->{res['load_after']})", file=sys.stderr, flush=True)
+                    if res["errors"]:
+                        print(f"  {res['errors']} streams ended with an error, the first: {res['first_error']}",
+                              file=sys.stderr, flush=True)
         report["serve"] = [median_round(results["twice"][n]) for n in levels]
         if use_peer:
             report["peer"] = [median_round(results["llama.cpp"][n]) for n in levels]
