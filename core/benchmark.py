@@ -341,7 +341,7 @@ class NullTokenizer:
         def finish(self):
             return ""
 
-    def stream(self):
+    def stream(self, context=()):
         return self._Stream()
 
     def decode(self, ids, skip_special_tokens=True):
