@@ -21,6 +21,12 @@ where the entry's comment says) and each dtype:
 The issue's bar: ratio >= 3 at batch 1 in bf16 (and float32: an AVX2 CPU's auto dtype), and
 MoE time within 1.5x of the dense model's.
 
+Both sides are memory-bound at batch 1, so each row also gives the share of the measured read
+bandwidth (core/benchmark.measure_bandwidth, best of before and after) that each side's decode
+reaches: the bytes one step reads (the weights a token uses, as stored, and the cache at the
+mean position) times tok/s. 1 / transformers' share is the most any step could beat it by on
+this machine (`ceiling`): a ratio of 3 needs transformers below a third of the bandwidth.
+
     python scripts/bench_families.py --threads 2 --rounds 5 --json bench_families.json
     python scripts/bench_families.py --shapes gemma-3-270m --dtypes float32 --rounds 3
     python scripts/bench_families.py --check     # the twins give our logits at small sizes (seconds)
@@ -165,9 +171,16 @@ def bench_shape(name: str, dtype_name: str, args) -> dict:
     row["twice_step_p50_s"] = statistics.median(r.step_p50_s for r in ours_runs)
     row["transformers_step_p50_s"] = statistics.median(r.step_p50_s for r in hf_runs)
     row["ratio"] = summary(ratios)
+    step_bytes = row["active_weight_bytes"] + config.kv_bytes_per_token(dtype.itemsize) * (P + G // 2)
+    bw = args.bandwidth["read_bytes_per_s"]
+    row["step_bytes"] = step_bytes
+    row["twice_bandwidth_share"] = step_bytes * row["twice_tok_s"] / bw
+    row["transformers_bandwidth_share"] = step_bytes * row["transformers_tok_s"] / bw
+    row["ratio_ceiling"] = 1 / row["transformers_bandwidth_share"]
     say(f"  twice {row['twice_tok_s']:.2f} tok/s, transformers {row['transformers_tok_s']:.2f} tok/s: "
         f"{row['ratio']['median']:.2f}x (min {row['ratio']['min']:.2f}, max {row['ratio']['max']:.2f}; "
-        f"{args.rounds} rounds)")
+        f"{args.rounds} rounds); of the read bandwidth: twice {row['twice_bandwidth_share']:.0%}, "
+        f"transformers {row['transformers_bandwidth_share']:.0%} (ceiling {row['ratio_ceiling']:.2f}x)")
     del hf
     gc.collect()
 
@@ -270,20 +283,35 @@ def main() -> int:
     if args.check:
         return 0 if check(names) else 1
     rows = []
+    before = b.measure_bandwidth("cpu")
+    args.bandwidth = before
     for dtype_name in args.dtypes.split(","):
         for name in names:
             rows.append(bench_shape(name, dtype_name, args))
             if args.json:  # written after every row: a long run interrupted keeps what it measured
                 out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows,
-                       "native_implements": sorted(native_decode.IMPLEMENTS)}
+                       "native_implements": sorted(native_decode.IMPLEMENTS), "bandwidth": args.bandwidth}
                 args.json.write_text(json.dumps(out, indent=1))
+    after = b.measure_bandwidth("cpu")
+    best = b.best_bandwidth(before, after)
+    for r in rows:  # shares against the better of the two measurements
+        for side in ("twice", "transformers"):
+            r[f"{side}_bandwidth_share"] = r["step_bytes"] * r[f"{side}_tok_s"] / best["read_bytes_per_s"]
+        r["ratio_ceiling"] = 1 / r["transformers_bandwidth_share"]
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows,
+                                         "native_implements": sorted(native_decode.IMPLEMENTS), "bandwidth": best,
+                                         "bandwidth_before": before, "bandwidth_after": after}, indent=1))
+    say(f"read bandwidth {best['read_bytes_per_s'] / 1e9:.1f} GB/s (before {before['read_bytes_per_s'] / 1e9:.1f}, "
+        f"after {after['read_bytes_per_s'] / 1e9:.1f})")
     print(f"{'shape':22} {'dtype':9} {'step':7} {'twice tok/s':>11} {'hf tok/s':>9} {'ratio (min-max)':>20} "
-          f"{'MoE/dense time':>16}")
+          f"{'bw twice/hf':>12} {'ceiling':>8} {'MoE/dense time':>16}")
     for r in rows:
         rt = r["ratio"]
         moe = r.get("dense_twin", {}).get("moe_over_dense_time")
         print(f"{r['shape']:22} {r['dtype']:9} {r['decode_path']:7} {r['twice_tok_s']:11.2f} "
               f"{r['transformers_tok_s']:9.2f} {rt['median']:7.2f}x ({rt['min']:.2f}-{rt['max']:.2f})"
+              f" {r['twice_bandwidth_share']:5.0%}/{r['transformers_bandwidth_share']:<5.0%} {r['ratio_ceiling']:7.2f}x"
               + (f" {moe['median']:9.2f}x ({moe['min']:.2f}-{moe['max']:.2f})" if moe else ""))
     return 0
 
