@@ -14,15 +14,27 @@ copies larger than the caches, for 1, 4 and 16 rows:
 It reports GMAC/s, the share of the peak, and for one row the GB/s the weights stream at.
 With --quant, the GGUF block kernels (q_gemm, activations prepared once per call) run on
 --quant-shapes (out×in; default 576×1536 and 896×4864, SmolLM2's and Qwen2.5-0.5B's widths)
-instead: GB/s of weight bytes as stored, and each batch's rows/s against batch 1's.
+instead: GB/s of weight bytes as stored, GMAC/s, and each batch's rows/s against batch 1's,
+beside the read bandwidth twice bench holds decode against (a torch sum over 512 MiB).
+--against REV builds the quantized kernels (qdot*.c) of a git revision as well and times both
+in paired alternating rounds (the machine's load moves both alike), printing the speedup:
+
+    python scripts/kernel_bench.py --quant Q4_K,Q6_K,Q5_0,Q8_0 --quant-shapes 1536x8960,8960x1536 \
+        --threads 1 --rows 1,4,16 --cpu-time --against eca8693
+
 Needs a C compiler (as the kernels do); never run in CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,6 +100,66 @@ def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, r
     return best, best_prepare
 
 
+QDOT = ("qdot.c", "qdot_legacy.c", "qdot_kquants.c", "qdot.h")
+
+
+def build_qdot_at(rev: str):
+    """The quantized kernels of git revision `rev` alone (qdot*.c, qdot.h), built as the
+    kernels are (-O3 -march=native -fopenmp) into a temporary library, for side-by-side timing."""
+    root = Path(__file__).resolve().parent.parent
+    folder = Path(tempfile.mkdtemp(prefix="twice-qdot-"))
+    for name in QDOT:
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:core/kernels/{name}"], capture_output=True,
+                              check=True).stdout
+        (folder / name).write_bytes(text)
+    lib = folder / "qdot.so"
+    cc = os.environ.get("CC") or "cc"
+    subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", *[str(folder / n) for n in QDOT[:3]],
+                    "-o", str(lib), "-lm"], check=True)
+    handle = ctypes.CDLL(str(lib))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("q_row_bytes", "q_act_bytes"):
+        getattr(handle, name).restype = i64
+        getattr(handle, name).argtypes = [ctypes.c_int, i64]
+    handle.q_prepare.argtypes = [ctypes.c_int, p, i64, i64, p]
+    handle.q_gemm.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, ctypes.c_int]
+    return handle
+
+
+def read_bandwidth() -> float:
+    """GB/s of twice bench's roofline read (core/benchmark.measure_bandwidth: a float sum over
+    512 MiB, torch's threads). torch's sum is no fast reader on one core (a hand-written AVX2
+    read streams ~2.5x as fast there): a batch-1 kernel may pass it."""
+    from twice.core.benchmark import measure_bandwidth
+
+    return measure_bandwidth("cpu")["read_bytes_per_s"] / 1e9
+
+
+def paired_quant(lib, other, ggml_type: int, out: int, n: int, rows: int, threads: int, rounds: int,
+                 clock=time.perf_counter) -> tuple[float, float]:
+    """Best seconds per q_gemm call of `lib` and of `other` (another build), the same weights
+    and prepared activations, timed in alternating rounds."""
+    row_bytes = lib.q_row_bytes(ggml_type, n)
+    copies = max(1, (256 << 20) // (out * row_bytes))
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    x = torch.randn(rows, n)
+    xq = torch.empty(rows * lib.q_act_bytes(ggml_type, n), dtype=torch.uint8)
+    lib.q_prepare(ggml_type, x.data_ptr(), n, rows, xq.data_ptr())
+    y = torch.empty(rows, out)
+    best = {id(lib): float("inf"), id(other): float("inf")}
+    for h in (lib, other):
+        for w in ws[:3]:
+            h.q_gemm(ggml_type, w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
+    for _ in range(rounds):
+        for h in (other, lib):
+            t = clock()
+            for w in ws:
+                h.q_gemm(ggml_type, w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
+            best[id(h)] = min(best[id(h)], (clock() - t) / len(ws))
+    return best[id(lib)], best[id(other)]
+
+
 def quant_main(args, lib) -> None:
     from twice.core import quant
 
@@ -98,18 +170,34 @@ def quant_main(args, lib) -> None:
             sys.exit("--cpu-time measures the calling thread: use it with --threads 1")
         clock = time.thread_time
     print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)"
-          + (", thread CPU time" if args.cpu_time else ""))
-    print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'prepare':>9} {'GB/s':>6} {'vs rows=1':>9}")
+          + (", thread CPU time" if args.cpu_time else "") + f"; load average {os.getloadavg()[0]:.1f}")
+    print(f"read bandwidth (twice bench's roofline, torch sum): {read_bandwidth():.1f} GB/s")
+    other = build_qdot_at(args.against) if args.against else None
+    if other is not None:
+        print(f"against {args.against}: paired alternating rounds ({args.rounds}); 'then' = {args.against}'s time")
+        print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'then':>9} {'speedup':>7} {'GMAC/s':>7} "
+              f"{'GB/s':>6} {'vs rows=1':>9}")
+    else:
+        print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'prepare':>9} {'GMAC/s':>7} {'GB/s':>6} "
+              f"{'vs rows=1':>9}")
     for name in args.quant.split(","):
         c = quant.codec(name)
         for out, n in shapes:
+            if lib.q_row_bytes(c.ggml_type, n) < 0:
+                print(f"{c.name:6} {out:>6} × {n:<5}  (rows of {n} are not whole blocks of {c.block_size}: skipped)")
+                continue
             base = None
             for rows in map(int, args.rows.split(",")):
-                s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads, clock=clock)
+                if other is not None:
+                    s, then = paired_quant(lib, other, c.ggml_type, out, n, rows, args.threads, args.rounds, clock)
+                else:
+                    s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads, clock=clock)
                 base = base or s
                 gbs = out * lib.q_row_bytes(c.ggml_type, n) / s / 1e9
-                print(f"{c.name:6} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {p * 1e6:>7.1f}us {gbs:>6.1f} "
-                      f"{rows * base / s:>8.1f}x")
+                gmacs = out * n * rows / s / 1e9
+                middle = (f"{then * 1e3:>7.3f}ms {then / s:>6.2f}x" if other is not None else f"{p * 1e6:>7.1f}us")
+                print(f"{c.name:6} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {middle} {gmacs:>7.1f} {gbs:>6.1f} "
+                      f"{rows * base / s:>8.1f}x", flush=True)
 
 
 def main() -> None:
@@ -119,6 +207,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
     p.add_argument("--quant-shapes", default="576x1536,896x4864")
+    p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side")
+    p.add_argument("--rounds", type=int, default=5, help="with --against: paired rounds")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --quant --threads 1: time the thread's CPU seconds (a busy shared machine)")
     args = p.parse_args()
