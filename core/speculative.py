@@ -68,6 +68,10 @@ from .errors import PromptError, TwiceError
 MAX_DRAFT_TOKENS = 32  # --draft-tokens above this: refused
 ADAPTIVE_MAX = 8  # adaptive K stays in 1..8
 PROBES = (3, 6)  # the first verify sizes measured (two points for the cost line)
+# The Speculator's probes: small, since a probe that is not accepted costs v(K) - s (the
+# 1.5B Q4_K_M: ~0.2 steps at K = 1 against ~1.5 at K = 6); the line through them is refined
+# by every later pass.
+CHEAP_PROBES = (1, 3)
 RETRY_FIRST, RETRY_MOST = 8, 128  # plain steps before trying guesses again (doubling)
 DECAY = 0.95  # weight of the past in the acceptance counts, per pass
 EMA = 0.3  # weight of a new time measurement
@@ -182,14 +186,15 @@ def predicted_speedup(a: float, k: int, draft_step: float, verify: float, step: 
 class Adaptive:
     """Chooses the number of guesses for the next pass from measured costs (module doc)."""
 
-    def __init__(self, fixed: int | None = None, most: int = ADAPTIVE_MAX):
-        self.fixed, self.most = fixed, most
+    def __init__(self, fixed: int | None = None, most: int = ADAPTIVE_MAX, probes: tuple[int, ...] = PROBES):
+        self.fixed, self.most, self.probes = fixed, most, probes
         self.step: float | None = None  # plain decode step, seconds
         self.draft: float | None = None  # one draft token, seconds
         self.verify: dict[int, float] = {}  # guesses -> verify pass seconds
         self.kept, self.judged = 1.0, 2.0  # acceptance counts (a prior of 1/2)
         self.plain_run = 0
         self.retry = RETRY_FIRST
+        self.probing = False  # the last choose() was a probe (a first measurement or a retry), not a paying K
 
     @property
     def acceptance(self) -> float:
@@ -221,19 +226,21 @@ class Adaptive:
         return max(range(1, self.most + 1), key=self.rate)
 
     def choose(self) -> int:
+        self.probing = False
         if self.fixed is not None:
             return self.fixed
         if self.step is None:
             return 0  # measure a plain step first
-        for k in PROBES:
+        for k in self.probes:
             if k not in self.verify and k <= self.most:
+                self.probing = True
                 return k
         k = self.best()
         if self.rate(k) > self.rate(0):
             self.retry = RETRY_FIRST
             return k
-        if self.plain_run >= self.retry:  # look again: the text may have changed
-            self.retry = min(2 * self.retry, RETRY_MOST)
+        if self.plain_run >= self.retry:  # look again: the text may have changed (the wait
+            self.probing = True  # doubles once a pass has looked: record_pass)
             return k
         return 0
 
@@ -246,6 +253,8 @@ class Adaptive:
         """A verify pass of k guesses. steps_apart (a draft model): draft_step is one draft
         step's time measured apart from any catch-up (None: none was, the estimate stays);
         else the draft cost is draft_seconds / k."""
+        if self.probing and self.plain_run >= self.retry:  # a retry looked: the next one waits twice as long
+            self.retry = min(2 * self.retry, RETRY_MOST)
         self.plain_run = 0
         per = draft_step if steps_apart else draft_seconds / k
         if per is not None:
@@ -258,26 +267,34 @@ class Adaptive:
         old = self.verify.get(k)
         self.verify[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def best_case(self) -> tuple[float, int]:
-        """(speed-up over plain steps, K) with every guess kept, at the measured costs: below
-        1 no acceptance can make drafting pay."""
+    def best_case(self, optimistic: bool = False) -> tuple[float, int]:
+        """(speed-up over plain steps, K) with every guess kept, at the measured costs (or,
+        optimistic, with every verify pass as cheap as one plain step, its lower bound):
+        below 1 no acceptance can make drafting pay."""
         step, c = self.step or 0.0, self.draft or 0.0
-        return max((expected_tokens(1.0, k) * step / (k * c + self.verify_cost(k)), k) for k in range(1, self.most + 1))
 
-    def unpaid(self, tokens_left: int | None = None, catch_up: tuple[int, float] = (0, 0.0)) -> str | None:
+        def verify(k: int) -> float:
+            return step if optimistic else self.verify_cost(k)
+
+        return max((expected_tokens(1.0, k) * step / (k * c + verify(k)), k) for k in range(1, self.most + 1))
+
+    def unpaid(self, tokens_left: int | None = None, catch_up: tuple[int, float] = (0, 0.0),
+               optimistic: bool = False) -> str | None:
         """The one-line reason drafting cannot pay at any K (module doc), or None: at best
         (every guess kept) a pass is slower than plain steps, or what the best case saves over
         the `tokens_left` does not repay catch_up = (tokens, seconds), the draft's prefill of
-        the text it lacks."""
-        if self.step is None or any(k not in self.verify for k in PROBES if k <= self.most):
+        the text it lacks. optimistic: before any verify pass is measured, each taken as one
+        plain step (if even that does not pay, no probe is needed to know)."""
+        if self.step is None or (not optimistic and any(k not in self.verify for k in self.probes if k <= self.most)):
             return None
-        best, k = self.best_case()
+        best, k = self.best_case(optimistic)
         n, seconds = catch_up
         saved = (tokens_left or 0) * self.step * (1.0 - 1.0 / best) if best > 1.0 else 0.0
         if best > 1.0 and (tokens_left is None or saved >= seconds):
             return None
+        v = 1.0 if optimistic else self.verify_cost(k) / self.step
         words = (f"drafting off: a draft step costs {(self.draft or 0.0) / self.step:.2f} of a target step, a verify "
-                 f"pass of {k + 1} {self.verify_cost(k) / self.step:.2f} steps (at best, every proposal kept, "
+                 f"pass of {k + 1} {'at least ' if optimistic else ''}{v:.2f} steps (at best, every proposal kept, "
                  f"{best:.2f}x the model alone")
         if best > 1.0 and tokens_left is not None:
             words += (f", saving ~{saved:.1f} s over {tokens_left} tokens, less than the draft's prefill of {n} "
@@ -295,6 +312,7 @@ class Lookup:
     name = "lookup"
     deterministic = True
     N = (3, 2, 1)
+    PROBE_N = 2  # a probe (adaptive K not yet paying) needs a match of at least this many tokens
 
     def __init__(self):
         self.seq: list[int] = []
@@ -311,10 +329,11 @@ class Lookup:
                 self.index[tuple(seq[i:i + n])] = i
         self.seq = list(seq)
 
-    def propose(self, seq: list[int], k: int, sampler, row: int) -> tuple[list[int], None]:
+    def propose(self, seq: list[int], k: int, sampler, row: int, smallest: int = 1) -> tuple[list[int], None]:
+        """Up to k guesses from the longest match of at least `smallest` tokens."""
         self._extend(seq)
         for n in self.N:
-            if len(seq) <= n:
+            if len(seq) <= n or n < smallest:
                 continue
             i = self.index.get(tuple(seq[-n:]))
             if i is not None:
@@ -509,7 +528,7 @@ class Speculator:
 
     def __init__(self, proposer, fixed_k: int | None):
         self.proposer = proposer
-        self.adaptive = Adaptive(fixed_k)
+        self.adaptive = Adaptive(fixed_k, probes=CHEAP_PROBES)
         self.stats = SpeculationStats(proposer.name, fixed_k=fixed_k)
         self.planning = fixed_k is None and isinstance(proposer, Draft)
         self.free = Lookup() if self.planning else None
@@ -560,7 +579,15 @@ class Speculator:
         k = min(self.adaptive.choose(), room)
         s = self.stats
         if k > 0 and self.planning:
-            if any(p not in self.adaptive.verify for p in PROBES if p <= self.adaptive.most):
+            if self.adaptive.draft is None:  # the draft's step, timed once; then the bound needing no probe
+                t = time.perf_counter()
+                self.adaptive.draft = self.proposer.step_seconds()
+                s.draft_seconds += time.perf_counter() - t
+                if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq), optimistic=True)) is not None:
+                    self.planning, self.free = False, None
+                    self._stop(reason)
+                    return self._plain(engine, seq, cache, sampler)
+            if any(p not in self.adaptive.verify for p in self.adaptive.probes if p <= self.adaptive.most):
                 guesses, _ = self.free.propose(seq, k, sampler, 0)
                 guesses = (guesses + [seq[-1]] * k)[:k]
                 tokens, _, seconds = self._verify(engine, seq, cache, sampler, guesses, None)
@@ -569,7 +596,6 @@ class Speculator:
                 s.probe_passes, s.probe_seconds = s.probe_passes + 1, s.probe_seconds + seconds
                 return tokens, seconds
             self.planning, self.free = False, None
-            self.adaptive.draft = self.proposer.step_seconds()
             if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq))) is not None:
                 self._stop(reason)
                 return self._plain(engine, seq, cache, sampler)
@@ -577,7 +603,11 @@ class Speculator:
         guesses, q, draft_seconds = [], None, 0.0
         t0 = time.perf_counter()
         if k > 0:
-            guesses, q = self.proposer.propose(seq, k, sampler, 0)
+            if isinstance(self.proposer, Lookup):  # a 1-token match is too weak a hint to pay a probe for
+                smallest = Lookup.PROBE_N if self.adaptive.probing else 1
+                guesses, q = self.proposer.propose(seq, k, sampler, 0, smallest)
+            else:
+                guesses, q = self.proposer.propose(seq, k, sampler, 0)
             draft_seconds = time.perf_counter() - t0
         if not guesses:
             return self._plain(engine, seq, cache, sampler, draft_seconds)

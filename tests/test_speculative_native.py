@@ -204,22 +204,63 @@ def test_unpaid_says_when_no_k_pays_even_with_every_guess_kept():
     assert "less than the draft's prefill of 200 tokens" in reason
 
 
-def test_a_draft_that_cannot_pay_is_never_prefilled(loaded, monkeypatch):
-    """Probes of free guesses measure v(K); with the draft's step at 100 target steps no K
-    pays: the draft never runs (its cache is never made), one Notice says why, the JSON
-    carries it, and the tokens are the model's own."""
-    target, other = loaded("llama", "q8_0"), loaded("llama", draft=True)
-    monkeypatch.setattr(speculative.Draft, "step_seconds", lambda self: 100.0 * (self.measured_step or 1.0))
-    plain = generate(engine(target)).token_ids
+def _off_run(target, other):
     e = engine(target, other)
     events = list(e.generate(Request(text=PROMPT), GenerationSettings(max_new_tokens=24, ignore_eos=True)))
     notes = [ev.message for ev in events if type(ev).__name__ == "Notice"]
-    result = events[-1].result
-    assert result.token_ids == plain
     assert len(notes) == 1 and notes[0].startswith("drafting off: a draft step costs ")
-    s = result.speculation
-    assert s["drafting_off"] == notes[0] and s["proposals"] == 0 and s["probe_passes"] == len(speculative.PROBES)
-    assert e.draft.cache is None and e.draft.ids == []
+    result = events[-1].result
+    assert result.speculation["drafting_off"] == notes[0] and result.speculation["proposals"] == 0
+    assert e.draft.cache is None and e.draft.ids == []  # never prefilled
+    return result
+
+
+def test_a_draft_that_cannot_pay_is_never_prefilled(loaded, monkeypatch):
+    """A draft step at 100 target steps: not even verify passes as cheap as a step would
+    pay, so no probe runs; verify passes measured at 1000 s (a free draft): the two probes
+    of free guesses measure that, and drafting is off after them. Either way the draft never
+    runs, one Notice says why, the JSON carries it, and the tokens are the model's own."""
+    target, other = loaded("llama", "q8_0"), loaded("llama", draft=True)
+    plain = generate(engine(target)).token_ids
+    with monkeypatch.context() as m:
+        m.setattr(speculative.Draft, "step_seconds", lambda self: 100.0)
+        r = _off_run(target, other)
+        assert r.token_ids == plain and r.speculation["probe_passes"] == 0 and "at least 1.00 steps" in \
+            r.speculation["drafting_off"]
+    with monkeypatch.context() as m:
+        m.setattr(speculative.Draft, "step_seconds", lambda self: 0.0)
+        real = speculative.Adaptive.record_verify
+        m.setattr(speculative.Adaptive, "record_verify", lambda self, k, seconds: real(self, k, 1000.0))
+        r = _off_run(target, other)
+        assert r.token_ids == plain and r.speculation["probe_passes"] == len(speculative.PROBES)
     # A fixed --draft-tokens is the user's choice: no plan, the draft runs.
     fixed = generate(engine(target, other), draft_tokens=2)
     assert fixed.token_ids == plain and fixed.speculation["proposals"] > 0 and fixed.speculation["drafting_off"] is None
+
+
+# -- cheaper lookup probes -------------------------------------------------------------------------
+def test_lookup_probes_need_a_two_token_match():
+    look = speculative.Lookup()
+    assert look.propose([5, 6, 7, 8, 6], 4, None, 0)[0] == [7, 8, 6]  # a 1-token match, once drafting pays
+    assert look.propose([5, 6, 7, 8, 6], 4, None, 0, smallest=2)[0] == []  # not worth a probe
+    assert look.propose([5, 6, 7, 8, 5, 6], 4, None, 0, smallest=2)[0] == [7, 8, 5, 6]
+
+
+def test_a_retry_that_found_nothing_to_verify_waits_no_longer_and_one_that_failed_waits_twice_as_long():
+    a = speculative.Adaptive()
+    a.record_plain(1.0)
+    for k in speculative.PROBES:
+        assert a.choose() == k and a.probing
+        a.record_pass(k, 0, True, draft_seconds=0.0, verify_seconds=1.5 + 0.2 * k)
+    for _ in range(8):
+        assert a.choose() == 0 and not a.probing
+        a.record_plain(1.0)
+    assert a.choose() > 0 and a.probing  # after 8 plain steps: a retry
+    a.record_plain(1.0)  # nothing to propose (no match): a plain step
+    k = a.choose()
+    assert k > 0 and a.probing  # still retrying: the wait was not used up
+    a.record_pass(k, 0, True, draft_seconds=0.0, verify_seconds=1.6)
+    for _ in range(16):  # the failed retry doubled the wait
+        assert a.choose() == 0
+        a.record_plain(1.0)
+    assert a.choose() > 0
