@@ -76,6 +76,27 @@ def test_verify_equals_sequential_native_steps_bit_for_bit(loaded, family, weigh
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)  # the same keys/values, written once each
 
 
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_verify_equals_steps_on_a_block_kv_cache(loaded, kv):
+    """--kv-dtype q8_0 / q4_0: every virtual row's keys/values are quantized once when written,
+    before any row attends, as each step's are."""
+    m = loaded("qwen3-hd128", "q8_0")
+    native = NativeDecoder(m.model)
+
+    def cache():
+        c = KVCache(m.config, 1, 64, torch.float32, "cpu", kv_dtype=kv)
+        with torch.inference_mode():
+            m.model(torch.tensor([list(range(3, 20))]), c)
+        return c
+
+    a, b = cache(), cache()
+    assert native.supports(a)
+    with torch.inference_mode():
+        steps = torch.cat([native(torch.tensor([[t]]), a) for t in (9, 8, 7, 6, 5)])
+        one = native.verify(torch.tensor([9, 8, 7, 6, 5]), b)
+    assert torch.equal(one, steps) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 def test_verify_with_two_threads_equals_steps(loaded):
     m = loaded("llama", "q8_0")
     native = NativeDecoder(m.model)
