@@ -169,3 +169,26 @@ def llama_logits(path: Path, ids: list[int]):
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])
     return torch.tensor(result["logits"]), result["n_vocab"]
+
+
+_TOKENS = """
+import json, sys
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts = json.loads(sys.stdin.read())
+print(json.dumps([llm.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in texts]))
+"""
+
+
+def llama_tokens(path: Path, texts: list[str]) -> list[list[int]]:
+    """llama.cpp's tokens (BOS as the file says, special tokens parsed) of each text, from the
+    GGUF at `path` (skips where llama_cpp is not importable)."""
+    import json
+
+    python = llama_cpp_python()
+    if python is None:
+        pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
+    p = subprocess.run([python, "-c", _TOKENS, str(path)], input=json.dumps(texts), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])

@@ -554,41 +554,6 @@ def test_llama_cpp_and_the_converter_on_qwen2moe(qwen2moe_files, tmp_path):
 # -- gemma2 with a SentencePiece tokenizer, through llama.cpp's converter ---------------------
 
 
-def _gemma_spm(folder: Path) -> None:
-    """A SentencePiece BPE tokenizer as Gemma's is (byte fallback, no dummy prefix, digits split,
-    whitespace kept, <pad> <eos> <bos> <unk> at 0..3, turn markers user-defined), trained on the
-    tiny corpus, into `folder` as tokenizer.model plus the tokenizer.json transformers'
-    GemmaTokenizer makes of it (replacing the folder's byte-level BPE)."""
-    import io
-    import json
-
-    import sentencepiece as spm
-    from transformers import AutoTokenizer
-
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (folder / name).unlink(missing_ok=True)
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(tiny.CORPUS * 20), model_writer=model, vocab_size=480, model_type="bpe",
-        byte_fallback=True, add_dummy_prefix=False, normalization_rule_name="identity", split_digits=True,
-        remove_extra_whitespaces=False, character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], hard_vocab_limit=False, minloglevel=2)
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}))
-    markers = ["<start_of_turn>", "<end_of_turn>"]
-    AutoTokenizer.from_pretrained(folder, extra_special_tokens=markers).save_pretrained(folder)  # + tokenizer.json
-    # added_tokens_decoder as real Gemma folders have it (the specials and the turn markers): the
-    # converter types those CONTROL from it (sentencepiece's user-defined flag it does not read)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["added_tokens_decoder"] = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": True} for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", *markers])}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.slow
 def test_converter_gemma2_with_sentencepiece_gives_transformers_tokens_and_logits(gemma_dirs, tmp_path):
     """llama.cpp's converter on a gemma2 folder whose tokenizer is SentencePiece (Gemma2Model
@@ -600,7 +565,7 @@ def test_converter_gemma2_with_sentencepiece_gives_transformers_tokens_and_logit
     from transformers import AutoTokenizer
 
     folder = Path(shutil.copytree(gemma_dirs("gemma2"), tmp_path / "gemma2-spm"))
-    _gemma_spm(folder)
+    tiny.spm_tokenizer(folder, "gemma")
     path = convert(folder, tmp_path / "gemma2-spm.gguf", "f32", pre=None)
     meta = read_gguf(path).metadata
     assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is False

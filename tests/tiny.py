@@ -37,6 +37,52 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
+def spm_tokenizer(folder: Path, style: str = "gemma") -> None:
+    """A SentencePiece BPE tokenizer trained on the tiny corpus, into `folder` as
+    tokenizer.model plus the tokenizer.json transformers makes of it (replacing the folder's
+    tokenizer files), with the added_tokens_decoder real folders have (llama.cpp's converter
+    types tokens from it). style "gemma": Gemma's (byte fallback, no dummy prefix, digits split,
+    whitespace kept, <pad> <eos> <bos> <unk> at 0..3, turn markers); "llama": Llama 2's (a
+    prefix space, <unk> <s> </s> at 0..2)."""
+    import io
+    import json
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+        (folder / name).unlink(missing_ok=True)
+    gemma = style == "gemma"
+    if gemma:
+        specials = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                        bos_piece="<bos>", unk_piece="<unk>")
+        names = ["<pad>", "<eos>", "<bos>", "<unk>"]
+        markers = ["<start_of_turn>", "<end_of_turn>"]
+    else:
+        specials = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>")
+        names, markers = ["<unk>", "<s>", "</s>"], []
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20), model_writer=model, vocab_size=480, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=not gemma, normalization_rule_name="identity", split_digits=gemma,
+        remove_extra_whitespaces=False, character_coverage=1.0, user_defined_symbols=markers or None,
+        hard_vocab_limit=False, minloglevel=2, **specials)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    bos, eos, unk = (names[2], names[1], names[3]) if gemma else (names[1], names[2], names[0])
+    config = {"tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer", "bos_token": bos,
+              "eos_token": eos, "unk_token": unk, "add_bos_token": True, "add_eos_token": False}
+    if gemma:
+        config["pad_token"] = "<pad>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    kwargs = {"extra_special_tokens": markers} if markers else {}
+    AutoTokenizer.from_pretrained(folder, **kwargs).save_pretrained(folder)  # + tokenizer.json from the .model
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                 "special": True} for i, t in enumerate(names + markers)}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def save_tokenizer(folder: Path, tok: Tokenizer, chat_template: str | None = CHAT_TEMPLATE) -> None:
     tok.save(str(folder / "tokenizer.json"))
     cfg = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",

@@ -51,6 +51,7 @@ import torch
 
 from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TokenizerError, TwiceError, UnsupportedModelError, WeightsError
+from twice.core.fields import show
 
 from .gguf_names import GPT2_CONV1D, gguf_name
 
@@ -78,7 +79,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # llama.cpp's token types (gguf.TokenType)
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _CHUNK_VALUES = 1 << 22  # rows are converted and quantized this many float32 values at a time
 
 
@@ -378,8 +379,9 @@ def _longrope_attention_factor(config: ModelConfig, rope: dict) -> float:
 
 
 def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, str, Any]]:
-    """tokenizer.ggml.* for a byte-level BPE tokenizer.json, as convert_hf_to_gguf's
-    _set_vocab_gpt2 and gguf.SpecialVocab write them."""
+    """tokenizer.ggml.* for a tokenizer.json: byte-level BPE as convert_hf_to_gguf's
+    _set_vocab_gpt2 and gguf.SpecialVocab write it ("gpt2"), or SentencePiece-style BPE (byte
+    fallback, spaces as "▁") as the "llama" tokenizer (_spm_metadata)."""
     from .files import MAX_JSON_BYTES, read_json
     from .tokenizer import Tokenizer
 
@@ -390,26 +392,14 @@ def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, st
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         kind = model.get("type") if isinstance(model, dict) else None
         raise UnsupportedModelError(f"{path}: a {kind or 'non-BPE'} tokenizer cannot be written as GGUF; "
-                                    "supported: byte-level BPE (GGUF's \"gpt2\" tokenizer)")
+                                    "supported: byte-level BPE (GGUF's \"gpt2\" tokenizer) and SentencePiece-style "
+                                    "BPE with byte fallback (\"llama\")")
     if model.get("byte_fallback"):
-        raise UnsupportedModelError(f"{path}: a BPE tokenizer with byte fallback (SentencePiece style) cannot be "
-                                    "written as GGUF yet; supported: byte-level BPE")
+        return _spm_metadata(tok, data, model, path, config)
     pre = _pre_name(data.get("pre_tokenizer"), bool(model.get("ignore_merges")), path)
 
-    added = {}
-    for entry in data.get("added_tokens") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
-            added[entry["id"]] = entry
-    reverse: dict[int, str] = {}
-    for token, index in model["vocab"].items():
-        if isinstance(index, int) and not isinstance(index, bool):
-            reverse[index] = token
-    for index, entry in added.items():
-        reverse[index] = entry["content"]
     size = config.vocab_size
-    largest = max(reverse, default=-1)
-    if largest >= size:
-        raise TokenizerError(f"{path}: token id {largest:,} does not fit the model's vocab_size {size:,}")
+    reverse, added = _id_table(data, model, path, size)
     tokens, types = [], []
     for i in range(size):
         if i not in reverse:
@@ -435,6 +425,12 @@ def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, st
         ("tokenizer.ggml.token_type", "int32s", types),
         ("tokenizer.ggml.merges", "strings", merges),
     ]
+    return kv + _special_metadata(tok, config, size)
+
+
+def _special_metadata(tok, config: ModelConfig, size: int) -> list[tuple[str, str, Any]]:
+    """The special token ids, whether encoding adds BOS/EOS, and the chat template."""
+    kv: list[tuple[str, str, Any]] = []
     ids = {}
     for key, special in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
                          ("unknown_token_id", "unk_token"), ("padding_token_id", "pad_token")):
@@ -450,6 +446,106 @@ def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, st
     if tok.chat_template:
         kv.append(("tokenizer.chat_template", "string", tok.chat_template))
     return kv
+
+
+def _id_table(data: dict, model: dict, path: Path, size: int) -> tuple[dict[int, str], dict[int, dict]]:
+    """id → token text over the vocabulary and the added tokens, and the added tokens by id."""
+    added = {}
+    for entry in data.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
+            added[entry["id"]] = entry
+    reverse: dict[int, str] = {}
+    for token, index in model["vocab"].items():
+        if isinstance(index, int) and not isinstance(index, bool):
+            reverse[index] = token
+    for index, entry in added.items():
+        reverse[index] = entry["content"]
+    largest = max(reverse, default=-1)
+    if largest >= size:
+        raise TokenizerError(f"{path}: token id {largest:,} does not fit the model's vocab_size {size:,}")
+    return reverse, added
+
+
+_SPACE = "\u2581"  # "▁"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _spm_space_prefix(data: dict, path: Path) -> bool:
+    """Whether the tokenizer.json's SentencePiece pipeline puts "▁" in front of the text
+    (llama.cpp's tokenizer.ggml.add_space_prefix), from the forms transformers writes:
+    normalizer Prepend("▁") + Replace(" ", "▁") (Llama 2, Mistral), Replace alone (Gemma),
+    or a Metaspace pre-tokenizer that does not split; anything else would split or normalize
+    text in a way llama.cpp's "llama" tokenizer does not, and is refused. (llama.cpp, like
+    sentencepiece itself, prepends the space to every text; Metaspace's prepend_scheme "first"
+    does not where the text already begins with a space: such texts encode as sentencepiece
+    encodes them once in GGUF.)"""
+    def is_replace(n):
+        return (isinstance(n, dict) and n.get("type") == "Replace" and n.get("pattern") == {"String": " "}
+                and n.get("content") == _SPACE)
+
+    normalizer, pre = data.get("normalizer"), data.get("pre_tokenizer")
+    steps = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
+        else [normalizer] if normalizer is not None else []
+    prepend = [n for n in steps if isinstance(n, dict) and n.get("type") == "Prepend" and n.get("prepend") == _SPACE]
+    others = [n for n in steps if not is_replace(n) and n not in prepend]
+    no_op_split = (isinstance(pre, dict) and pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}
+                   and pre.get("behavior") == "MergedWithPrevious" and not pre.get("invert")
+                   and any(is_replace(n) for n in steps))  # Gemma's: no spaces are left to split on
+    metaspace = (isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("replacement") == _SPACE
+                 and not pre.get("split", True) and not steps)
+    if others or not (pre is None or no_op_split or metaspace) or not (steps or metaspace):
+        raise UnsupportedModelError(f"{path}: a SentencePiece-style tokenizer with normalizer {show(normalizer)} and "
+                                    f"pre-tokenizer {show(pre)} cannot be written as GGUF (llama.cpp's \"llama\" "
+                                    "tokenizer only replaces spaces with \"▁\" and may prepend one)")
+    if metaspace:
+        return pre.get("prepend_scheme", "always") in ("first", "always")
+    return bool(prepend)
+
+
+def _spm_metadata(tok, data: dict, model: dict, path: Path, config: ModelConfig) -> list[tuple[str, str, Any]]:
+    """tokenizer.ggml.* of the "llama" (SentencePiece) kind for a BPE tokenizer.json with byte
+    fallback: the tokens in id order with their types (byte tokens BYTE, the unknown token,
+    special added tokens CONTROL, other added ones USER_DEFINED, ids without a token
+    [PAD<id>] UNUSED, as convert_hf_to_gguf's _set_vocab_sentencepiece writes them) and scores
+    that rank the merges as the file does: a token's score is minus the rank of the first merge
+    that makes it (llama.cpp merges the best-scoring pair; twice's reader rebuilds the merges
+    from the scores, gguf_tokenizer.merges_from_scores), tokens no merge makes far below."""
+    size = config.vocab_size
+    space_prefix = _spm_space_prefix(data, path)
+    reverse, added = _id_table(data, model, path, size)
+    rank: dict[str, int] = {}
+    for i, merge in enumerate(model.get("merges") or []):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
+            raise TokenizerError(f"{path}: merge {merge!r} is not two tokens")
+        rank.setdefault(pair[0] + pair[1], i)
+    unk = model.get("unk_token") or tok.special_tokens.get("unk_token")
+    tokens, scores, types = [], [], []
+    for i in range(size):
+        text = reverse.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            scores.append(-1e9)
+            types.append(_UNUSED)
+            continue
+        tokens.append(text)
+        scores.append(-float(rank[text]) if text in rank else -1e9)
+        if text == unk:
+            types.append(_UNKNOWN)
+        elif i in added:
+            types.append(_CONTROL if added[i].get("special") else _USER_DEFINED)
+        elif _BYTE_TOKEN.fullmatch(text):
+            types.append(_BYTE)
+        else:
+            types.append(_NORMAL)
+    kv: list[tuple[str, str, Any]] = [
+        ("tokenizer.ggml.model", "string", "llama"),
+        ("tokenizer.ggml.tokens", "strings", tokens),
+        ("tokenizer.ggml.scores", "float32s", scores),
+        ("tokenizer.ggml.token_type", "int32s", types),
+        ("tokenizer.ggml.add_space_prefix", "bool", space_prefix),
+    ]
+    return kv + _special_metadata(tok, config, size)
 
 
 def _adds_specials(tok, bos: int | None, eos: int | None) -> tuple[bool, bool]:
@@ -775,12 +871,15 @@ def _add(writer, key: str, kind: str, value) -> None:
         writer.add_bool(key, bool(value))
     elif kind == "bools":
         writer.add_key_value(key, [bool(v) for v in value], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
-    elif kind in ("strings", "int32s") and not value:
+    elif kind in ("strings", "int32s", "float32s") and not value:
         return  # GGUF has no empty arrays (a tokenizer without merges)
     elif kind == "strings":
         writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
     elif kind == "int32s":
         writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    elif kind == "float32s":
+        writer.add_key_value(key, [float(v) for v in value], gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.FLOAT32)
     else:  # pragma: no cover - a programming error
         raise ValueError(kind)
 
