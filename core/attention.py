@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .cache import KVCache
+from .cache import KVCache, key_bias
 from .layers import Linear, ReducedLinear
 
 
@@ -156,5 +156,7 @@ class CachedSelfAttention(torch.nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q), rope(k)
+        if getattr(cache, "quantized", False) and (bias := key_bias(self)) is not None:
+            cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
         keys, values = cache.write(self.layer, step.column, k, v)
         return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale, self.softcap))

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, offset_keys_of
 from .device import synchronize
 from .engine import Engine
 
@@ -67,7 +67,8 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
     for kv in kv_dtypes:
         engine = Engine(model, None, kv_dtype=kv)
         cache = KVCache(config, batch, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
-        cache.k.copy_(cache.encode(one[0]).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
+        offset_keys_of(cache, model)  # a block cache stores keys minus the key bias, as the model's writes do
+        cache.k.copy_(cache.encode_keys(one[0]).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
         cache.v.copy_(cache.encode(one[1]).expand_as(cache.v))
         native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
         step = engine.fast if native else model

@@ -20,6 +20,15 @@ token is quantized once, when it is written; the native decode step reads the bl
 a dequantized copy of the columns in use from `write` (in the model's dtype). head_dim must be a
 multiple of 32 (KVDtypeError otherwise).
 
+Keys of a block cache are stored minus the layer's key bias where the model has one (Qwen2's
+k_proj bias; `offset_keys`): the bias is one fixed vector added to every key (up to ±200 in some
+of Qwen2.5's layers, where the rest of a key is ~±5), so a block's absmax scale would spend its
+levels on it. softmax(q·k_j) does not change when one vector is subtracted from every key, so
+the native step attends to the stored keys as they are; `read`, `decode_keys` and `write`'s
+keys add the bias back (float32), so every caller still gets the keys. The bias is added before
+RoPE, so the stored difference also holds R(pos)·b − b, which is small where b is large (those
+are the slowly rotating dimensions). Float caches store keys as they are.
+
 Bytes: 2 · layers · batch · tokens · kv_heads · head_dim · bytes per element (float32 4,
 bfloat16/float16 2, q8_0 34/32, q4_0 18/32), where tokens is `capacity` for what is allocated
 and `length` (columns filled) for what is in use.
@@ -137,6 +146,10 @@ class KVCache:
         self.length = 0  # columns [0, length) hold keys/values
         # First real column of each row (left padding before it); None = no padding.
         self.starts: torch.Tensor | None = None
+        # Block caches: [layers, kv_heads, head_dim] float32 subtracted from keys before they are
+        # quantized (offset_keys; zero for a layer without a key bias); None: none.
+        self.key_offset: torch.Tensor | None = None
+        self._offset_layers: frozenset[int] = frozenset()
 
     def _shape(self, batch: int, capacity: int) -> tuple[int, ...]:
         last = self.format.bytes_per_values(self.head_dim) if self.quantized else self.head_dim
@@ -186,30 +199,69 @@ class KVCache:
         values = values.reshape(*lead, self.head_dim)
         return values if dtype is None else values.to(dtype)
 
+    # -- the key offset (block caches of models with a key bias) ------------------------
+    def offset_keys(self, layer: int, bias: torch.Tensor) -> None:
+        """Store `layer`'s keys minus `bias` (its key projection's bias, kv_heads · head_dim
+        values) from now on, if this is a block cache (float caches: nothing). Set once per layer,
+        before its first key is written (the attention modules and the native step call it
+        with the model's own bias, so every cache of a model, and every file saved from one,
+        holds the same offsets)."""
+        if not self.quantized or layer in self._offset_layers:
+            return
+        if self.key_offset is None:
+            self.key_offset = torch.zeros(self.num_layers, self.kv_heads, self.head_dim, dtype=torch.float32,
+                                          device=self.k.device)
+        self.key_offset[layer] = bias.detach().to(device=self.k.device, dtype=torch.float32).view(
+            self.kv_heads, self.head_dim)
+        self._offset_layers = self._offset_layers | {layer}
+
+    def _offset(self, layer) -> torch.Tensor | None:
+        """The key offset of `layer` (an int: [kv_heads, 1, D]; None: every layer, [L, 1, kv_heads,
+        1, D]) for keys laid out [..., kv_heads, T, D]; None where there is none."""
+        if self.key_offset is None:
+            return None
+        if layer is None:
+            return self.key_offset[:, None, :, None, :]
+        return self.key_offset[layer][:, None, :]
+
+    def encode_keys(self, k: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Keys [..., kv_heads, T, D] of `layer` (None: k holds every layer first) → as stored."""
+        c = self._offset(layer)
+        return self.encode(k if c is None else k.to(torch.float32) - c)
+
+    def decode_keys(self, stored: torch.Tensor, layer: int | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored keys of `layer` (None: every layer) → keys, the offset added back."""
+        c = self._offset(layer)
+        if c is None:
+            return self.decode(stored, dtype)
+        keys = self.decode(stored) + c
+        return keys if dtype is None else keys.to(dtype)
+
     # -- writes ------------------------------------------------------------------------
     def write(self, layer: int, column: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, D] at columns [column, column+T) of `layer` and
         return views of all keys/values [B, kv_heads, column+T, D] for attention (a quantized
         cache, or a float one of another dtype than k's: a copy of those columns in k's dtype)."""
         end = column + k.shape[2]
-        self.k[layer, :, :, column:end] = self.encode(k)
+        self.k[layer, :, :, column:end] = self.encode_keys(k, layer)
         self.v[layer, :, :, column:end] = self.encode(v)
         keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         if self.quantized or keys.dtype != k.dtype:
-            return self.decode(keys, k.dtype), self.decode(values, v.dtype)
+            return self.decode_keys(keys, layer, k.dtype), self.decode(values, v.dtype)
         return keys, values
 
     def read(self, layer: int, row: int, start: int, end: int,
              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [kv_heads, end - start, D] of one row's columns, as values in `dtype`."""
-        return (self.decode(self.k[layer, row, :, start:end], dtype),
+        return (self.decode_keys(self.k[layer, row, :, start:end], layer, dtype),
                 self.decode(self.v[layer, row, :, start:end], dtype))
 
     def put(self, layer: int, row: int, column: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store values k, v [kv_heads, T, D] at one row's columns [column, column+T) (encoded as
         the cache stores them): the inverse of `read` (context shift re-rotates keys this way)."""
         end = column + k.shape[1]
-        self.k[layer, row, :, column:end] = self.encode(k)
+        self.k[layer, row, :, column:end] = self.encode_keys(k, layer)
         self.v[layer, row, :, column:end] = self.encode(v)
 
     def truncate(self, length: int) -> None:
@@ -238,3 +290,24 @@ class KVCache:
         v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
         # Swapped together, so an interrupt never leaves K and V of different sizes.
         self.k, self.v, self.capacity = k, v, capacity
+
+
+def key_bias(attention) -> tuple[int, torch.Tensor] | None:
+    """(layer, the key part of its bias) of an attention module whose keys a block cache stores
+    minus that bias (core/attention.py's CachedSelfAttention with a q/k/v bias and no score
+    soft-cap: a soft-cap is not shift invariant); None otherwise."""
+    proj = getattr(attention, "qkv_proj", None)
+    bias = getattr(proj, "bias", None) if proj is not None else None
+    if bias is None or getattr(attention, "softcap", None) is not None:
+        return None
+    q, kv = attention.q_size, attention.kv_size
+    return attention.layer, bias[q:q + kv]
+
+
+def offset_keys_of(cache: KVCache, model) -> None:
+    """Give a block cache `model`'s key offsets for every layer (offset_keys)."""
+    if getattr(cache, "quantized", False):
+        for module in model.modules():
+            found = key_bias(module)
+            if found is not None:
+                cache.offset_keys(*found)

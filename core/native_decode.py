@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from . import kernels
-from .cache import KVCache
+from .cache import KVCache, key_bias
 from .model import CausalLM
 from .qweight import BlockWeight
 
@@ -32,7 +32,8 @@ class _Dims(ctypes.Structure):
         (name, ctypes.c_int64) for name in ("block", "norm", "act", "qk_full", "rot")] + [
         (name, ctypes.c_float) for name in ("attn_cap", "final_cap", "embed_scale", "pad_")] + [
         (name, ctypes.c_int64) for name in ("experts", "top_k", "moe_inter", "renorm", "float_weights")] + [
-        ("kv_type", ctypes.c_int64)]  # the cache's blocks (KV_TYPES), set per call; 0: the model dtype
+        ("kv_type", ctypes.c_int64),  # the cache's blocks (KV_TYPES), set per call; 0: the model dtype
+        ("kv_unbias", ctypes.c_int64)]  # 1: the block cache stores keys minus the key bias (cache.offset_keys)
 
 
 # The block caches decode.c reads as stored (core/cache.py's layout), by --kv-dtype name →
@@ -258,6 +259,7 @@ class NativeDecoder:
         width = model.rope.cos.shape[-1]
         self.dims.rot = width if width != c.head_dim else 0
         self.layers = (_Layer * len(layers))()
+        self.key_biases = [found for block in layers if (found := key_bias(block.self_attn)) is not None]
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
             moe = _sparse(m)
@@ -345,6 +347,10 @@ class NativeDecoder:
             local.ensure(end)
             self.dims.cos_local, self.dims.sin_local = local.cos.data_ptr(), local.sin.data_ptr()
         self.dims.kv_type = KV_TYPES[cache.kv_dtype] if getattr(cache, "quantized", False) else 0
+        if self.dims.kv_type and self.dims.attn_cap == 0:
+            for layer, bias in self.key_biases:  # as the eager layers do before their first write
+                cache.offset_keys(layer, bias)
+        self.dims.kv_unbias = int(self.dims.kv_type != 0 and getattr(cache, "key_offset", None) is not None)
         logits = torch.empty(ids.numel(), self.dims.vocab, dtype=torch.float32)
         status = self.lib.decode_step(
             ctypes.byref(self.dims), self.layers, self.final_norm, ctypes.byref(self.head), ctypes.byref(self.embed),

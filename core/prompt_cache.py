@@ -35,7 +35,7 @@ import hashlib
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, offset_keys_of
 from .device import DTYPE_NAMES
 from .errors import TwiceError
 
@@ -217,8 +217,10 @@ def shift(model: torch.nn.Module, cache: KVCache, keep: int, drop: int, end: int
         raise PromptCacheError(f"--context-shift cannot move this cache's tensors ({sorted(stored_tensors(cache))})")
     # A quantized cache (cache.py's blocks): keys decoded, rotated in float32, encoded again
     # (one more rounding of the moved keys); values move as stored, bit for bit.
-    decode = getattr(cache, "decode", lambda stored, dtype: stored.to(dtype))
-    encode = getattr(cache, "encode", lambda x: x.to(cache.k.dtype))
+    # (decode_keys/encode_keys: a block cache's keys are stored minus the key bias, cache.py)
+    offset_keys_of(cache, model)  # a cache restored from a file: its key offsets before any layer ran
+    decode = getattr(cache, "decode_keys", lambda stored, layer, dtype: stored.to(dtype))
+    encode = getattr(cache, "encode_keys", lambda x, layer: x.to(cache.k.dtype))
     if moved:
         tables = _layer_tables(model)
         rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -227,9 +229,9 @@ def shift(model: torch.nn.Module, cache: KVCache, keep: int, drop: int, end: int
             if id(table) not in rotations:
                 rotations[id(table)] = _rotation(table, drop, cache.k.device)
             cos, sin = rotations[id(table)]
-            keys = decode(cache.k[layer, 0, :, keep + drop:end].clone(), torch.float32)
+            keys = decode(cache.k[layer, 0, :, keep + drop:end].clone(), layer, torch.float32)
             values = cache.v[layer, 0, :, keep + drop:end].clone()
-            cache.k[layer, 0, :, keep:keep + moved] = encode(rotate_keys(keys, cos, sin))
+            cache.k[layer, 0, :, keep:keep + moved] = encode(rotate_keys(keys, cos, sin), layer)
             cache.v[layer, 0, :, keep:keep + moved] = values
     cache.length = keep + moved
     invalidate = getattr(cache, "invalidate", None)

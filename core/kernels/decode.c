@@ -65,6 +65,9 @@ typedef struct {
      * ids) blocks of 32 values along head_dim, GGUF's layout: each token's head vector is D / 32
      * blocks of fp16 d + 32 int8 (34 bytes) or fp16 d + 16 bytes of nibbles (18 bytes). */
     int64_t kv_type;
+    /* 1: a block cache stores keys minus the layer's key bias (the k part of qkv_bias; cache.py's
+     * offset_keys); attention is unchanged by it (softmax is shift invariant). */
+    int64_t kv_unbias;
 } Dims;
 enum { KV_FLOAT = 0, KV_Q4_0 = 2, KV_Q8_0 = 8 };
 
@@ -979,6 +982,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                 rope(d, k + h * D, cos_l, sin_l, position);
                 const int64_t at = (h * capacity + col) * D;
                 if (d->kv_type != KV_FLOAT) { /* quantized once, here, as cache.py's write does */
+                    if (d->kv_unbias && L->qkv_bias) /* minus the key bias (offset_keys), in float32 as cache.py */
+                        for (int64_t i = 0; i < D; i++) k[h * D + i] -= load(d, L->qkv_bias, q_size + h * D + i);
                     kv_quantize(d, k + h * D, (uint8_t *)kc + (h * capacity + col) * tok_bytes, D);
                     kv_quantize(d, v + h * D, (uint8_t *)vc + (h * capacity + col) * tok_bytes, D);
                 } else if (d->bf16) { /* k and v hold bf16 values already: narrow() only repacks them */
