@@ -76,6 +76,8 @@ RETRY_FIRST, RETRY_MOST = 8, 128  # plain steps before trying guesses again (dou
 DECAY = 0.95  # weight of the past in the acceptance counts, per pass
 EMA = 0.3  # weight of a new time measurement
 CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens runs as native virtual rows
+STEADY_CATCH_UP = 2  # a draft's catch-up after a verify pass: its last guess and the model's token
+MARGIN = 1.05  # drafting is chosen only where it is expected this much faster than plain steps
 
 
 class DraftError(TwiceError):
@@ -236,7 +238,7 @@ class Adaptive:
                 self.probing = True
                 return k
         k = self.best()
-        if self.rate(k) > self.rate(0):
+        if self.rate(k) > MARGIN * self.rate(0):
             self.retry = RETRY_FIRST
             return k
         if self.plain_run >= self.retry:  # look again: the text may have changed (the wait
@@ -249,15 +251,15 @@ class Adaptive:
         self.plain_run += 1
 
     def record_pass(self, k: int, kept: int, rejected: bool, draft_seconds: float, verify_seconds: float,
-                    draft_step: float | None = None, steps_apart: bool = False) -> None:
-        """A verify pass of k guesses. steps_apart (a draft model): draft_step is one draft
-        step's time measured apart from any catch-up (None: none was, the estimate stays);
-        else the draft cost is draft_seconds / k."""
+                    steady: bool = True) -> None:
+        """A verify pass of k guesses; the draft's cost per guess is draft_seconds / k (all of
+        proposing: its steps, its catch-up of the last pass's tokens, the picking), except
+        after a long catch-up (not steady: a prefill, which says nothing of a guess's cost)."""
         if self.probing and self.plain_run >= self.retry:  # a retry looked: the next one waits twice as long
             self.retry = min(2 * self.retry, RETRY_MOST)
         self.plain_run = 0
-        per = draft_step if steps_apart else draft_seconds / k
-        if per is not None:
+        if steady:
+            per = draft_seconds / k
             self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per
         self.record_verify(k, verify_seconds)
         self.kept = DECAY * self.kept + kept
@@ -364,7 +366,7 @@ class Draft:
         self.cache: KVCache | None = None
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds
         self.measured_step: float | None = None  # one step on a short dummy cache (step_seconds)
-        self.last_step: float | None = None  # the fastest one-token step of the last propose call
+        self.last_catch_up = 0  # tokens the last propose call fed before its first guess
 
     def reset(self) -> None:
         self.cache, self.ids = None, []
@@ -417,9 +419,8 @@ class Draft:
         self.ids = self.ids[:reused]
         self.cache.truncate(reused)
         vocab = sampler.vocab_size
-        t = time.perf_counter()
+        self.last_catch_up = len(seq) - reused
         logits = self._logits(seq[reused:])
-        steps = [time.perf_counter() - t] if len(seq) - reused == 1 else []
         self.ids = list(seq)
         greedy = sampler.params[row].greedy
         guesses: list[int] = []
@@ -433,11 +434,8 @@ class Draft:
                 qs.append(q)
                 guesses.append(int(sampler.draw(row, q)))
             if j + 1 < k:
-                t = time.perf_counter()
                 logits = self._logits([guesses[-1]])
-                steps.append(time.perf_counter() - t)
                 self.ids.append(guesses[-1])
-        self.last_step = min(steps) if steps else None
         return guesses, (torch.stack(qs) if qs else None)
 
     def rollback(self, seq: list[int]) -> None:
@@ -616,7 +614,7 @@ class Speculator:
             self.proposer.rollback(seq + tokens)
         drafted = isinstance(self.proposer, Draft)
         self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds,
-                                  self.proposer.last_step if drafted else None, steps_apart=drafted)
+                                  steady=not drafted or self.proposer.last_catch_up <= STEADY_CATCH_UP)
         s.proposed, s.accepted = s.proposed + len(guesses), s.accepted + kept
         s.passes, s.verify_passes, s.tokens = s.passes + 1, s.verify_passes + 1, s.tokens + len(tokens)
         s.draft_seconds, s.verify_seconds = s.draft_seconds + draft_seconds, s.verify_seconds + verify_seconds

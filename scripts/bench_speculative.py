@@ -5,17 +5,24 @@ For a target and a draft model (default: the packaged Qwen2.5-Coder-1.5B-Instruc
 and 0.5B Q4_K_M, assembled in ~/.cache/twice/gguf/):
 
 1. cost of a verify pass of K + 1 tokens relative to one decode step, K = 1..8 (the target,
-   after a 64-token prompt; median of --reps passes each);
+   after a 64-token prompt; median of --reps passes each): the native verify pass
+   (NativeDecoder.verify, what speculation runs when the native step runs the target) and the
+   eager layers' K + 1-token forward;
 2. greedy decode tok/s of the target alone, with --lookup and with --draft, on three prompts:
    a code edit (the prompt holds a function, the request asks for it back with a change:
    lookup's case), code writing (the draft's case) and prose; the tokens must be equal;
+   --rounds paired rounds, plain first on even rounds and last on odd ones, medians;
 3. the speed-up the standard formula predicts beside the measured one: per-position
    acceptance a (solved from the mean accepted run: run = a + a² + ... + a^K), draft cost
    per token c, verify cost v(K) and plain step s measured in the run;
-   predicted = tokens / (plain passes·s + verify passes·(K·c + v(K))) ÷ (1 / s), with
-   tokens = plain passes + verify passes·(1 − a^(K+1)) / (1 − a), K the mean proposals.
+   predicted = tokens / (plain passes·s + probes' time + verify passes·(K·c + v(K))) ÷ (1 / s),
+   with tokens = plain passes + probe passes + verify passes·(1 − a^(K+1)) / (1 − a), K the
+   mean proposals (a draft that was never run: its dummy step's time counts);
+4. llama.cpp's prompt-lookup mode (llama_cpp.llama_speculative.LlamaPromptLookupDecoding,
+   num_pred_tokens --peer-pred-tokens, n-gram 2) beside its own plain greedy decode, on the
+   same GGUF, threads and prompt token ids (scripts/peer_lookup.py, run by --peer-python).
 
-    python scripts/bench_speculative.py --threads 2 --tokens 128 --json out.json
+    python scripts/bench_speculative.py --threads 2 --tokens 128 --rounds 3 --json out.json
     python scripts/bench_speculative.py --tiny      # a smoke run on tiny random models (seconds)
 """
 
@@ -117,15 +124,17 @@ def solve_acceptance(run: float, k: float) -> float:
 def predicted(spec: dict, step: float) -> float | None:
     from twice.core.speculative import expected_tokens
 
-    vp, plain = spec["verify_passes"], spec["target_passes"] - spec["verify_passes"]
+    probes = spec.get("probe_passes", 0)  # the plan's verify passes of free guesses: ~1 token each, as measured
+    vp, plain = spec["verify_passes"], spec["target_passes"] - spec["verify_passes"] - probes
+    extra = spec.get("probe_s", 0.0) + (spec["draft_s"] if not spec["proposals"] else 0.0)
     if not vp:
-        return 1.0
+        return (plain + probes) * step / (plain * step + extra) if plain + probes else 1.0
     k = spec["proposals"] / vp
     a = solve_acceptance(spec["mean_accepted_run"], k)
     c = spec["draft_s"] / spec["proposals"] if spec["proposals"] else 0.0
     v = spec["verify_s"] / vp
-    tokens = plain + vp * expected_tokens(a, round(k))
-    return tokens / (plain * step + vp * (k * c + v)) * step
+    tokens = plain + probes + vp * expected_tokens(a, round(k))
+    return tokens / (plain * step + extra + vp * (k * c + v)) * step
 
 
 def peer_lookup(args, gguf: str, prompts: dict) -> dict | None:
