@@ -193,7 +193,7 @@ class Adaptive:
         self.step: float | None = None  # plain decode step, seconds
         self.draft: float | None = None  # one draft token, seconds
         self.verify: dict[int, float] = {}  # guesses -> verify pass seconds
-        self.kept, self.judged = 1.0, 2.0  # acceptance counts (a prior of 1/2)
+        self.kept, self.judged = 0.5, 1.0  # acceptance counts (a prior of 1/2, worth one judged guess)
         self.plain_run = 0
         self.retry = RETRY_FIRST
         self.probing = False  # the last choose() was a probe (a first measurement or a retry), not a paying K
