@@ -128,6 +128,7 @@ class Prepared:
     dropped: int  # tokens dropped from the start (truncate="left")
     max_new: int  # max new tokens, clamped to the context
     seconds: float  # spent tokenizing
+    constraint: object | None = None  # the matcher settings.constraint asks for (one request's: submit it once)
 
 
 @dataclass
@@ -159,8 +160,9 @@ class Scheduler:
 
     # -- the public surface --------------------------------------------------------------
     def prepare(self, request: Request | list[int], settings: GenerationSettings) -> Prepared:
-        """Tokenize a request and check its length (PromptError: empty, too long, a failing
-        chat template). It reads only the engine's tokenizer and config, never the cache or
+        """Tokenize a request, check its length (PromptError: empty, too long, a failing
+        chat template) and build its structured-output matcher (ConstraintError: a bad
+        schema; the first one per tokenizer also builds its token trie, ~1.5 s). It reads only the engine's tokenizer and config, never the cache or
         the scheduler's state, so another thread may call it while this one steps (the
         server tokenizes on its request threads, not between the batch's steps); `submit`
         takes the result as it is."""
@@ -170,7 +172,11 @@ class Scheduler:
         ids, cut = engine._tokenize(request, settings)
         ids, dropped = engine._truncate(ids, settings)
         max_new = engine._check_length(ids, settings)
-        return Prepared(ids, cut, dropped, max_new, time.perf_counter() - t)
+        constraint = None
+        if settings.constraint is not None:  # a bad spec: ConstraintError here, nothing queued
+            from .constraints import build
+            constraint = build(engine, settings.constraint)
+        return Prepared(ids, cut, dropped, max_new, time.perf_counter() - t, constraint)
 
     def submit(self, request: Request | list[int] | Prepared, settings: GenerationSettings, constraint=None,
                logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
@@ -183,9 +189,8 @@ class Scheduler:
         t = submitted if submitted is not None else time.perf_counter()
         prepared = request if isinstance(request, Prepared) else self.prepare(request, settings)
         ids, cut, dropped, max_new = prepared.ids, prepared.cut, prepared.dropped, prepared.max_new
-        if constraint is None and settings.constraint is not None:  # structured output named in the settings
-            from .constraints import build
-            constraint = build(engine, settings.constraint)  # a bad spec: ConstraintError here, nothing queued
+        if constraint is None:  # structured output named in the settings (built by prepare)
+            constraint = prepared.constraint
         seq_id = next(self._ids)
         if dropped or cut:
             self._notices.append(Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context of "

@@ -101,3 +101,25 @@ def test_prepare_refuses_what_submit_refuses_and_queues_nothing(llama):
         s.prepare(too_long, settings)
     assert str(llama.context_length) in str(e.value) and "\n" not in str(e.value)
     assert s.counters.submitted == 0 and not s.has_work
+
+
+def test_prepare_builds_the_matcher_off_the_scheduler_thread(llama):
+    """A structured-output request's matcher is built by prepare (the request thread: the
+    first one per tokenizer also builds its token trie), and the submitted row follows it:
+    a regex's output full-matches. A bad spec: ConstraintError from prepare, nothing queued."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from twice.core import constraints as c
+
+    s = Scheduler(llama, max_batch=2, prefix_reuse=False)
+    settings = GenerationSettings(max_new_tokens=16, constraint=c.ConstraintSpec("regex", "[a-c]{3}x"))
+    prepared = s.prepare(list(range(3, 9)), settings)
+    assert isinstance(prepared.constraint, c.Constraint)
+    row = s.submit(prepared, settings)
+    results = {e.row: e.result for e in s.run() if isinstance(e, Done)}
+    assert re.fullmatch("[a-c]{3}x", results[row].text), results[row].text
+    bad = GenerationSettings(max_new_tokens=4, constraint=c.ConstraintSpec("regex", "[a-c"))
+    with pytest.raises(c.ConstraintError):
+        s.prepare(list(range(3, 9)), bad)
+    assert s.counters.submitted == 1 and not s.has_work
