@@ -12,8 +12,9 @@
    the levels and the baselines all serve the same requests.
 2. Sequential: the same requests one after another through Engine.generate in this
    process (what `twice generate` does per prompt, without its process start and model
-   load, both of which would only slow the baseline), same threads: each level's speed-up
-   is over the sequential time of exactly its requests.
+   load, both of which would only slow the baseline), same threads, once per round beside
+   the servers' levels (each request's median time): each level's speed-up is over the
+   sequential time of exactly its requests.
 3. Peer (`--peer`, on by default when the model is a GGUF file, the default model
    included): llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, from
    --peer-python's venv) on the same GGUF file with the same threads, driven by the same
@@ -26,7 +27,8 @@
    (a finished row's place goes to the next prompt; `twice batch` now).
 
 Rounds (--rounds K): each level runs K times, twice and the peer alternating (which goes
-first swaps every round), and the median round is reported, so a load change hits both.
+first swaps every round), the sequential baseline once a round (first in odd rounds, last
+in even ones), and the median round is reported, so a load change hits all three.
 
   .venv/bin/python scripts/bench_serve.py --threads 1 --json serve-smollm2.json     # the full run
   .venv/bin/python scripts/bench_serve.py --threads 1 --json serve-qwen.json \\
@@ -317,6 +319,11 @@ def main() -> None:
     report: dict = {"model": model or "default (SmolLM2-135M-Instruct Q4_1)", "gguf": gguf, "cpu_count": os.cpu_count(),
                     "threads": args.threads, "max_tokens": [lo, hi], "rounds": args.rounds, "levels": levels,
                     "serve": [], "peer": [], "load_start": load_average()}
+    loaded = load(model, None, "cpu", args.dtype)  # the baseline's engine, in this process
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
+    k = args.sequential or max(per_level.values())
+    sequential(engine, workload(2, (4, 8), 99)[:1])  # warm-up
+    seq_rounds: list[list[dict]] = []
     servers = {"twice": twice_server(model, args.dtype, args.threads, max(levels))}
     try:
         if use_peer:
@@ -326,6 +333,8 @@ def main() -> None:
             asyncio.run(client_level(server.url, "", warm, 1, peer=name != "twice"))
         results: dict = {name: {n: [] for n in levels} for name in servers}
         for r in range(args.rounds):
+            if r % 2 == 1:  # the baseline first in odd rounds, last in even ones
+                seq_rounds.append(sequential(engine, jobs[:k]))
             for n in levels:
                 names = list(servers) if r % 2 == 0 else list(servers)[::-1]
                 for name in names:
@@ -337,17 +346,21 @@ def main() -> None:
                     if res["errors"]:
                         print(f"  {res['errors']} streams ended with an error, the first: {res['first_error']}",
                               file=sys.stderr, flush=True)
+            if r % 2 == 0:
+                seq_rounds.append(sequential(engine, jobs[:k]))
+            rate, _ = sequential_rate(seq_rounds[-1], k)
+            print(f"round {r + 1} sequential: {rate:.1f} tok/s (load {seq_rounds[-1][0]['load']}->"
+                  f"{seq_rounds[-1][-1]['load']})", file=sys.stderr, flush=True)
         report["serve"] = [median_round(results["twice"][n]) for n in levels]
         if use_peer:
             report["peer"] = [median_round(results["llama.cpp"][n]) for n in levels]
     finally:
         for server in servers.values():
             server.stop()
-    loaded = load(model, None, "cpu", args.dtype)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids)
-    k = args.sequential or max(per_level.values())
-    runs = sequential(engine, workload(2, (4, 8), 99)[:1] + jobs[:k])[1:]  # the first one warms up
-    report["sequential"] = {"requests": len(runs), "runs": runs}
+    # each request's median time over the rounds
+    runs = [{"tokens": rs[0]["tokens"], "seconds": statistics.median(x["seconds"] for x in rs),
+             "load": statistics.median(x["load"] for x in rs)} for rs in zip(*seq_rounds)]
+    report["sequential"] = {"requests": len(runs), "runs": runs, "rounds": seq_rounds}
     for level in report["serve"] + report["peer"]:
         rate, exact = sequential_rate(runs, level["requests"])
         level["sequential_tokens_per_s"], level["sequential_exact"] = rate, exact
