@@ -112,7 +112,7 @@ def dequantize(data: torch.Tensor, type_name: str) -> torch.Tensor:
     return out.reshape(*lead, n_blocks * c.block_size)
 
 
-def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
+def quantize(x: torch.Tensor, type_name: str, *, native: bool = True) -> torch.Tensor:
     """Quantize float values to raw block bytes: the inverse direction of `dequantize`.
 
     ``x`` is a float tensor whose last dimension is one row of whole blocks (rows may be stacked
@@ -122,6 +122,10 @@ def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
     F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 equal to ``gguf.quants.quantize``, for the K types to the C
     reference built without fused multiply-adds (see kquants). For all-zero blocks holding a
     -0.0 the sign of a zero d/m follows C where gguf's numpy differs (legacy.py).
+
+    Where the native kernels are built (twice.core.kernels) the C port of the same quantizers
+    (core/kernels/quantize.c, the same bytes, 10-100x faster) does the work; ``native=False``,
+    or no C compiler, runs the torch quantizers here (the reference the tests hold the C to).
 
     ValueError (one line) for a row that is not whole blocks, a NaN or infinite value, or values
     too large for the type (an fp16 scale, or an F16 value, that would be infinite).
@@ -140,10 +144,55 @@ def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise ValueError(f"cannot quantize to {c.name}: the values include NaN or infinity")
         blocks = x.reshape(-1, c.block_size)
-        out = _quantize_parts(c, blocks, threads)
+        out = _quantize_native(c, blocks, threads) if native else None
+        if out is None:
+            out = _quantize_parts(c, blocks, threads)
         if blocks.shape[0] and c.name != "F32":
             _check_finite_scales(out, c.name)
     return out.reshape(*lead, row_bytes)
+
+
+def native_library():
+    """The native kernels' library with q_quantize declared (core/kernels/quantize.c), or None
+    where they did not build (no C compiler, TWICE_NATIVE_KERNELS=0) or lack it."""
+    from .. import kernels
+
+    return declare_native(kernels.library())
+
+
+def declare_native(lib):
+    """`lib` (a ctypes library built from core/kernels, or None) with q_quantize's signature
+    declared; None where it has no q_quantize."""
+    if lib is None or getattr(lib, "q_quantize", None) is None:
+        return None
+    if getattr(lib, "_twice_quantize", False):
+        return lib
+    import ctypes
+
+    lib.q_quantize.restype = ctypes.c_int
+    lib.q_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib._twice_quantize = True
+    return lib
+
+
+def _quantize_native(c: Codec, blocks: torch.Tensor, threads: int, lib=None) -> torch.Tensor | None:
+    """c.quantize_blocks(blocks) by the C quantizer on up to `threads` threads (no more than the
+    cores the load average leaves free; OpenMP hands out runs of blocks, so a busy core holds up
+    only its own run); None where there is none (F32, no native kernels). `lib`: another build
+    (the tests' portable one)."""
+    if c.name == "F32":
+        return None  # a view of the values: nothing to compute
+    lib = declare_native(lib) if lib is not None else native_library()
+    if lib is None:
+        return None
+    blocks = blocks.contiguous()
+    out = torch.empty((blocks.shape[0], c.type_size), dtype=torch.uint8)
+    if blocks.shape[0] == 0:
+        return out
+    workers = max(1, min(threads, _free_cores()))
+    if lib.q_quantize(c.ggml_type, blocks.data_ptr(), blocks.shape[0], out.data_ptr(), workers) != 0:
+        return None
+    return out
 
 
 # the least values a part of a tensor that quantize() hands to one worker thread holds
