@@ -105,8 +105,8 @@ static inline __m256i bits32_to_0x10(const uint8_t *p) {
  * comes from the same 2-lane product [d, m]·[d_x, d_x·Σx_q] into a third, lane 1 of which
  * is kept. */
 static inline __attribute__((always_inline)) void legacy_step(const int T, const int NR, const uint8_t *blk,
-                                                              const uint8_t **xp, const float **dp,
-                                                              const int32_t **op, __m256 *acc, __m128 *accm) {
+                                                              const uint8_t *x, int64_t xs, int64_t n, int64_t b,
+                                                              __m256 *acc, __m128 *accm) {
     const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
     uint32_t dm;
     memcpy(&dm, blk, 4); /* d, and m where the type has one */
@@ -126,17 +126,16 @@ static inline __attribute__((always_inline)) void legacy_step(const int T, const
     }
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)xp[r]);
-        xp[r] += QK;
+        /* Row r's quants of block b, its {d_x, d_x·Σx_q}, its offsets: addressed from the row
+         * and the block index (row pointers stepped per row were vectorized by gcc into
+         * vector registers, extracted again for every load: the tile's real bottleneck). */
+        const uint8_t *xr = x + r * xs;
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QK));
         if (T == QT_Q8_0) xv = _mm256_sign_epi8(xv, sgn);
         __m256i p = _mm256_setzero_si256();
-        if (has_off) {
-            p = _mm256_zextsi128_si256(_mm_cvtsi32_si128(*op[r]));
-            op[r] += 2;
-        }
+        if (has_off) p = _mm256_zextsi128_si256(_mm_cvtsi32_si128(LEGACY_OFF(xr, n)[2 * b + (T == QT_Q5_0)]));
         p = qd_dot_u8s8(p, q, xv);
-        const __m128 scales = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)dp[r])));
-        dp[r] += 2;
+        const __m128 scales = _mm_mul_ps(dmf, _mm_castpd_ps(_mm_load_sd((const double *)(LEGACY_DX(xr, n) + 2 * b))));
         acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(p), acc[r]);
         if (has_min) accm[r] = _mm_add_ps(accm[r], scales);
     }
@@ -149,15 +148,9 @@ static inline __attribute__((always_inline)) void tile_legacy(const int T, const
     const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
     __m256 even[4], odd[4];
     __m128 accm[4];
-    const uint8_t *xp[4]; /* row r's quants of the next block, its {d_x, d_x·Σx_q}, its offsets */
-    const float *dp[4];
-    const int32_t *op[4];
     for (int r = 0; r < NR; r++) {
         even[r] = odd[r] = _mm256_setzero_ps();
         accm[r] = _mm_setzero_ps();
-        xp[r] = x + r * xs;
-        dp[r] = LEGACY_DX(x + r * xs, n);
-        op[r] = LEGACY_OFF(x + r * xs, n) + (T == QT_Q5_0);
     }
     const uint8_t *blk = w;
     int64_t b = 0;
@@ -166,10 +159,10 @@ static inline __attribute__((always_inline)) void tile_legacy(const int T, const
          * hardware prefetcher alone kept a core at ~60% of its read bandwidth) */
         _mm_prefetch((const char *)blk + QD_PREFETCH, _MM_HINT_T0);
         if (2 * bs > 64) _mm_prefetch((const char *)blk + QD_PREFETCH + 64, _MM_HINT_T0);
-        legacy_step(T, NR, blk, xp, dp, op, even, accm);
-        legacy_step(T, NR, blk + bs, xp, dp, op, odd, accm);
+        legacy_step(T, NR, blk, x, xs, n, b, even, accm);
+        legacy_step(T, NR, blk + bs, x, xs, n, b + 1, odd, accm);
     }
-    if (b < nb) legacy_step(T, NR, blk, xp, dp, op, even, accm);
+    if (b < nb) legacy_step(T, NR, blk, x, xs, n, b, even, accm);
     for (int r = 0; r < NR; r++)
         y[r * ldy] = qd_hsum(_mm256_add_ps(even[r], odd[r])) +
                      ((T == QT_Q4_1 || T == QT_Q5_1) ? _mm_cvtss_f32(_mm_movehdup_ps(accm[r])) : 0.0f);
