@@ -15,6 +15,7 @@
  * OpenMP hands out runs of blocks (dynamic: a descheduled thread holds up nothing but its run).
  * Never build with -ffast-math. */
 #pragma GCC optimize("fp-contract=off")
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +28,7 @@
 #define QK 32
 #define QK_K 256
 #define GROUP_MAX_EPS 1e-15f
+#define MAXN 32 /* values per sub-block at most */
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -84,14 +86,6 @@ static inline int nearest_int(float fval) {
 }
 
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-/* a level inside a search: rounded to nearest even, clamped to [0, hi] as a float */
-static inline float level(float v, float lo, float hi) {
-    v = rintf(v);
-    if (v < lo) v = lo;
-    else if (v > hi) v = hi;
-    return v;
-}
 
 /* float -> int32 as x86's cvttss2si gives it (truncation; INT32_MIN for NaN and values out of
  * range): torch's conversion of a float to int8/uint8 keeps that int's low byte */
@@ -214,74 +208,157 @@ static void q5_1(const float *x, uint8_t *y) {
 
 /* ------------------------------------------------------------------ k-quants: searches */
 
-/* make_qkx2_quants: scale and offset of the least (weighted) error fit x ~ scale*L - the_min,
- * L in 0..nmax, over nstep + 1 grids (kquants.make_qkx2_quants). */
-static float make_qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min,
-                       float rmin, float rdelta, int nstep, int use_mad) {
-    float mn = x[0], mx = x[0];
-    float sum_w = w[0];
-    float sum_x = w[0] * x[0];
+/* The searches run over 8 sub-blocks at once, one per lane of an 8-float vector (GCC's
+ * vector extension: one AVX op here, two SSE ones in a baseline build): X[i] holds value i of
+ * every sub-block, so each lane keeps the C order of its own sums (the torch port's layout) and
+ * does exactly the IEEE operations a scalar loop per sub-block would: the same bytes, ~10x
+ * fewer steps. Branches become selects. Q2_K, Q6_K: two runs of 8 of their 16 sub-blocks. */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define NL 8
+#define VINLINE static inline __attribute__((always_inline))
+
+VINLINE vf vsplat(float f) { return (vf){0} + f; }
+VINLINE vi vsplati(int32_t v) { return (vi){0} + v; }
+VINLINE vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+VINLINE vi vseli(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
+VINLINE vf vabs(vf a) { return (vf)((vi)a & 0x7FFFFFFF); }
+
+/* a level inside a search: rounded to nearest even, clamped to [lo, hi] as a float (NaN passes
+ * through, as torch.clamp leaves it). The magic-number rounding is rint's for |v| <= 2^22; past
+ * that its result lies past the same end of [lo, hi] as rint's, so the clamped level is equal. */
+VINLINE vf vlevel(vf v, vf lo, vf hi) {
+    v = (v + 12582912.0f) - 12582912.0f;
+    v = vsel(v < lo, lo, v);
+    return vsel(v > hi, hi, v);
+}
+
+/* nearest_int, clamped to [lo, hi] */
+VINLINE vi vnearest(vf f, int lo, int hi) {
+    const vf v = f + 12582912.0f;
+    vi q = ((vi)v & 0x007FFFFF) - 0x00400000;
+    q = vseli(q < lo, vsplati(lo), q);
+    return vseli(q > hi, vsplati(hi), q);
+}
+
+/* make_qkx2_quants on 8 sub-blocks of n values: for each, the scale and offset of the least
+ * (weighted) error fit x ~ scale*L - the_min, L in 0..nmax, over nstep + 1 grids
+ * (kquants.make_qkx2_quants). L[i * 8 + j]: value i of sub-block j. */
+static inline __attribute__((always_inline)) void qkx2_v(
+        const int n, const int nmax, const vf *X, const vf *W, uint8_t *L, float *scale_out, float *min_out,
+        const float rmin, const float rdelta, const int nstep, const int use_mad) {
+    const vf zero = vsplat(0.0f), fmaxv = vsplat((float)nmax);
+    vf mn = X[0], mx = X[0], sum_w = W[0], sum_x = W[0] * X[0];
     for (int i = 1; i < n; i++) {
-        if (x[i] < mn) mn = x[i];
-        if (x[i] > mx) mx = x[i];
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
+        mn = vsel(X[i] < mn, X[i], mn);
+        mx = vsel(X[i] > mx, X[i], mx);
+        sum_w += W[i];
+        sum_x += W[i] * X[i];
     }
-    if (mn > 0) mn = 0;
-    if (mx == mn) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        *the_min = -mn;
-        return 0.0f;
-    }
-    const float fmax = (float)nmax;
-    float iscale = fmax / (mx - mn);
-    float scale = 1.0f / iscale;
-    float best_iscale = iscale, best_base = mn;
-    float best = 0.0f;
+    mn = vsel(mn > zero, zero, mn);
+    const vf flat_mn = mn;
+    const vi flat = mx == mn;
+    vf iscale = fmaxv / (mx - mn);
+    vf scale = vsplat(1.0f) / iscale;
+    vf best_is = iscale, best_base = mn, best = zero;
     for (int i = 0; i < n; i++) {
-        const float l = level((x[i] - mn) * iscale, 0.0f, fmax);
-        float diff = l * scale + mn - x[i];
-        diff = use_mad ? fabsf(diff) : diff * diff;
-        best += diff * w[i];
+        const vf l = vlevel((X[i] - mn) * iscale, zero, fmaxv);
+        vf diff = l * scale + mn - X[i];
+        diff = use_mad ? vabs(diff) : diff * diff;
+        best += diff * W[i];
     }
-    float lf[32];
+    vf lf[MAXN];
     for (int is = 0; is <= nstep; is++) {
-        const float c = rmin + rdelta * (float)is + fmax;
-        iscale = c / (mx - mn);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        const float c = rmin + rdelta * (float)is + (float)nmax;
+        iscale = vsplat(c) / (mx - mn);
+        vf sl = zero, sl2 = zero, sxl = zero;
         for (int i = 0; i < n; i++) {
-            const float l = level((x[i] - mn) * iscale, 0.0f, fmax);
+            const vf l = vlevel((X[i] - mn) * iscale, zero, fmaxv);
             lf[i] = l;
-            const float wl = w[i] * l;
-            sum_l += wl;
-            sum_l2 += wl * l;
-            sum_xl += wl * x[i];
+            const vf wl = W[i] * l;
+            sl += wl;
+            sl2 += wl * l;
+            sxl += wl * X[i];
         }
-        const float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (!(D > 0)) continue;
-        float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-        float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-        if (this_min > 0) {
-            this_min = 0;
-            this_scale = sum_xl / sum_l2;
-        }
-        float cur = 0.0f;
+        const vf D = sum_w * sl2 - sl * sl;
+        vf ts = (sum_w * sxl - sum_x * sl) / D;
+        vf tm = (sl2 * sum_x - sl * sxl) / D;
+        const vi pos = tm > zero;
+        tm = vsel(pos, zero, tm);
+        ts = vsel(pos, sxl / sl2, ts);
+        vf cur = zero;
         for (int i = 0; i < n; i++) {
-            float diff = lf[i] * this_scale + this_min - x[i];
-            diff = use_mad ? fabsf(diff) : diff * diff;
-            cur += diff * w[i];
+            vf diff = lf[i] * ts + tm - X[i];
+            diff = use_mad ? vabs(diff) : diff * diff;
+            cur += diff * W[i];
         }
-        if (cur < best) {
-            best_iscale = iscale;
-            best_base = mn;
-            best = cur;
-            scale = this_scale;
-            mn = this_min;
-        }
+        const vi better = (D > zero) & (cur < best);
+        best_is = vsel(better, iscale, best_is);
+        best_base = vsel(better, mn, best_base);
+        best = vsel(better, cur, best);
+        scale = vsel(better, ts, scale);
+        mn = vsel(better, tm, mn);
     }
-    for (int i = 0; i < n; i++) L[i] = (uint8_t)clampi(nearest_int(best_iscale * (x[i] - best_base)), 0, nmax);
-    *the_min = -mn;
-    return scale;
+    for (int i = 0; i < n; i++) {
+        const vi q = vseli(flat, vsplati(0), vnearest(best_is * (X[i] - best_base), 0, nmax));
+        for (int j = 0; j < NL; j++) L[i * NL + j] = (uint8_t)q[j];
+    }
+    const vf so = vsel(flat, zero, scale), mo = vsel(flat, -flat_mn, -mn);
+    for (int j = 0; j < NL; j++) {
+        scale_out[j] = so[j];
+        min_out[j] = mo[j];
+    }
+}
+
+/* make_qx_quants(16, nmax, x, L, rmse_type=1, NULL) on 8 sub-blocks: the symmetric fit
+ * weighted by x^2 over 19 grids; L in 0..2*nmax-1 (kquants.make_qx_quants_rmse1). */
+VINLINE void qx_rmse1_v(const int nmax, const vf *X, int8_t *L, float *scale_out) {
+    enum { n = 16 };
+    const vf zero = vsplat(0.0f), lo = vsplat((float)-nmax), hi = vsplat((float)(nmax - 1));
+    vf amax = vabs(X[0]), mxv = X[0];
+    for (int i = 1; i < n; i++) {
+        const vf a = vabs(X[i]);
+        const vi up = a > amax;
+        amax = vsel(up, a, amax);
+        mxv = vsel(up, X[i], mxv);
+    }
+    vf w[n], wx[n];
+    for (int i = 0; i < n; i++) {
+        w[i] = X[i] * X[i];
+        wx[i] = w[i] * X[i];
+    }
+    vf iscale = vsplat((float)-nmax) / mxv;
+    vf best_is = iscale, sumlx = zero, suml2 = zero;
+    for (int i = 0; i < n; i++) {
+        const vf l = vlevel(X[i] * iscale, lo, hi);
+        sumlx += wx[i] * l;
+        suml2 += (w[i] * l) * l;
+    }
+    vf scale = vsel(suml2 != zero, sumlx / suml2, zero);
+    vf best = scale * sumlx;
+    for (int is = -9; is <= 9; is++) {
+        if (is == 0) continue;
+        iscale = vsplat(-((float)nmax + 0.1f * (float)is)) / mxv;
+        sumlx = zero;
+        suml2 = zero;
+        for (int i = 0; i < n; i++) {
+            const vf l = vlevel(X[i] * iscale, lo, hi);
+            sumlx += wx[i] * l;
+            suml2 += (w[i] * l) * l;
+        }
+        const vi better = (suml2 > zero) & (sumlx * sumlx > best * suml2);
+        const vf s = sumlx / suml2;
+        best_is = vsel(better, iscale, best_is);
+        scale = vsel(better, s, scale);
+        best = vsel(better, s * sumlx, best);
+    }
+    const vi allzero = amax < GROUP_MAX_EPS;
+    for (int i = 0; i < n; i++) {
+        const vi q = vseli(allzero, vsplati(0), vnearest(best_is * X[i], -nmax, nmax - 1) + nmax);
+        for (int j = 0; j < NL; j++) L[i * NL + j] = (int8_t)q[j];
+    }
+    const vf so = vsel(allzero, zero, scale);
+    for (int j = 0; j < NL; j++) scale_out[j] = so[j];
 }
 
 /* the first value of largest magnitude, and that magnitude */
@@ -293,51 +370,6 @@ static inline float first_absmax(int n, const float *x, float *amax_out) {
     }
     *amax_out = amax;
     return max;
-}
-
-/* make_qx_quants(n, nmax, x, L, rmse_type=1, NULL): symmetric fit weighted by x^2 over 19
- * grids; L in 0..2*nmax-1 (kquants.make_qx_quants_rmse1). */
-static float make_qx_rmse1(int n, int nmax, const float *x, int8_t *L) {
-    float amax;
-    const float mx = first_absmax(n, x, &amax);
-    if (amax < GROUP_MAX_EPS) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        return 0.0f;
-    }
-    const float lo = (float)-nmax, hi = (float)(nmax - 1);
-    float w[16], wx[16];
-    for (int i = 0; i < n; i++) {
-        w[i] = x[i] * x[i];
-        wx[i] = w[i] * x[i];
-    }
-    float iscale = (float)-nmax / mx;
-    float best_iscale = iscale;
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; i++) {
-        const float l = level(x[i] * iscale, lo, hi);
-        sumlx += wx[i] * l;
-        suml2 += (w[i] * l) * l;
-    }
-    float scale = suml2 != 0 ? sumlx / suml2 : 0.0f;
-    float best = scale * sumlx;
-    for (int is = -9; is <= 9; is++) {
-        if (is == 0) continue;
-        iscale = -((float)nmax + 0.1f * (float)is) / mx;
-        sumlx = 0;
-        suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            const float l = level(x[i] * iscale, lo, hi);
-            sumlx += wx[i] * l;
-            suml2 += (w[i] * l) * l;
-        }
-        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            best_iscale = iscale;
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
-    }
-    for (int i = 0; i < n; i++) L[i] = (int8_t)(clampi(nearest_int(best_iscale * x[i]), -nmax, nmax - 1) + nmax);
-    return scale;
 }
 
 /* make_q3_quants(n, nmax, x, L, do_rmse=true): the x^2-weighted symmetric fit, improved one
@@ -394,12 +426,20 @@ static inline void pack_2bit(const uint8_t *L, uint8_t *qs) {
 }
 
 static void q2_k(const float *x, uint8_t *y) {
-    uint8_t L[QK_K];
-    float w[16], scales[16], mins[16];
+    uint8_t L[QK_K], LT[2][16 * NL];
+    float scales[16], mins[16];
+    for (int h = 0; h < 2; h++) {
+        vf X[16], W[16];
+        for (int j = 0; j < NL; j++)
+            for (int i = 0; i < 16; i++) {
+                X[i][j] = x[16 * (8 * h + j) + i];
+                W[i][j] = fabsf(x[16 * (8 * h + j) + i]);
+            }
+        qkx2_v(16, 3, X, W, LT[h], scales + 8 * h, mins + 8 * h, -0.5f, 0.1f, 15, 1);
+    }
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < 16; j++) {
-        for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
-        scales[j] = make_qkx2(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+        for (int i = 0; i < 16; i++) L[16 * j + i] = LT[j / 8][i * NL + j % 8];
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -463,17 +503,27 @@ static void q3_k(const float *x, uint8_t *y) {
     pack_2bit(L, qs);
 }
 
-/* Q4_K / Q5_K: (d, dmin, the 12 scale bytes, L) */
-static void q45_k(const float *x, int nmax, float rmin, int nstep, uint8_t *dd, uint8_t *sb, uint8_t *L) {
-    float w[32], scales[8], mins[8];
+/* Q4_K / Q5_K: the searches of a super-block's 8 sub-blocks (lane j: sub-block j) */
+VINLINE void q45_search(const float *x, int nmax, float rmin, int nstep, uint8_t *L, float *scales, float *mins) {
+    vf X[32], W[32];
+    uint8_t LT[32 * NL];
+    for (int j = 0; j < NL; j++)
+        for (int i = 0; i < 32; i++) X[i][j] = x[32 * j + i];
+    vf s2 = vsplat(0.0f);
+    for (int i = 0; i < 32; i++) s2 += X[i] * X[i];
+    vf q = s2 / 32.0f, av_x;
+    for (int j = 0; j < NL; j++) av_x[j] = sqrtf(q[j]);
+    for (int i = 0; i < 32; i++) W[i] = av_x + vabs(X[i]);
+    qkx2_v(32, nmax, X, W, LT, scales, mins, rmin, 0.1f, nstep, 0);
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 32; i++) L[32 * j + i] = LT[i * NL + j];
+}
+
+/* Q4_K / Q5_K from a block's fits: d, dmin, the 12 scale bytes, and L re-rounded */
+static void q45_finish(const float *x, int nmax, const float *scales, const float *mins, uint8_t *dd, uint8_t *sb,
+                       uint8_t *L) {
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < 8; j++) {
-        const float *xs = x + 32 * j;
-        float s2 = 0;
-        for (int l = 0; l < 32; l++) s2 += xs[l] * xs[l];
-        const float av_x = sqrtf(s2 / 32);
-        for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xs[l]);
-        scales[j] = make_qkx2(32, nmax, xs, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep, 0);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -504,33 +554,52 @@ static void q45_k(const float *x, int nmax, float rmin, int nstep, uint8_t *dd, 
     }
 }
 
-static void q4_k(const float *x, uint8_t *y) {
-    uint8_t L[QK_K];
-    q45_k(x, 15, -1.0f, 20, y, y + 4, L);
-    uint8_t *q = y + 16;
-    for (int j = 0; j < QK_K; j += 64) {
-        for (int l = 0; l < 32; l++) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
-        q += 32;
+/* nb (1 or 2) Q4_K blocks */
+static void q4_k(const float *x, uint8_t *y, int nb) {
+    uint8_t L[2][QK_K];
+    float scales[NL], mins[NL];
+    for (int b = 0; b < nb; b++) {
+        uint8_t *yb = y + 144 * b;
+        q45_search(x + QK_K * b, 15, -1.0f, 20, L[b], scales, mins);
+        q45_finish(x + QK_K * b, 15, scales, mins, yb, yb + 4, L[b]);
+        uint8_t *q = yb + 16;
+        for (int j = 0; j < QK_K; j += 64) {
+            for (int l = 0; l < 32; l++) q[l] = (uint8_t)(L[b][j + l] | (L[b][j + l + 32] << 4));
+            q += 32;
+        }
     }
 }
 
-static void q5_k(const float *x, uint8_t *y) {
-    uint8_t L[QK_K];
-    q45_k(x, 31, -0.5f, 15, y, y + 4, L);
-    uint8_t *qh = y + 16, *ql = y + 48;
-    memset(qh, 0, 32);
-    for (int i = 0; i < QK_K; i++)
-        if (L[i] > 15) qh[i % 32] |= (uint8_t)(1u << (i / 32));
-    for (int j = 0; j < QK_K; j += 64) {
-        for (int l = 0; l < 32; l++) ql[l] = (uint8_t)((L[j + l] & 0x0F) | ((L[j + l + 32] & 0x0F) << 4));
-        ql += 32;
+/* nb (1 or 2) Q5_K blocks */
+static void q5_k(const float *x, uint8_t *y, int nb) {
+    uint8_t L[2][QK_K];
+    float scales[NL], mins[NL];
+    for (int b = 0; b < nb; b++) {
+        uint8_t *yb = y + 176 * b;
+        q45_search(x + QK_K * b, 31, -0.5f, 15, L[b], scales, mins);
+        q45_finish(x + QK_K * b, 31, scales, mins, yb, yb + 4, L[b]);
+        uint8_t *qh = yb + 16, *ql = yb + 48;
+        memset(qh, 0, 32);
+        for (int i = 0; i < QK_K; i++)
+            if (L[b][i] > 15) qh[i % 32] |= (uint8_t)(1u << (i / 32));
+        for (int j = 0; j < QK_K; j += 64) {
+            for (int l = 0; l < 32; l++) ql[l] = (uint8_t)((L[b][j + l] & 0x0F) | ((L[b][j + l + 32] & 0x0F) << 4));
+            ql += 32;
+        }
     }
 }
 
 static void q6_k(const float *x, uint8_t *y) {
-    int8_t Ls[QK_K];
+    int8_t Ls[QK_K], LT[2][16 * NL];
     float scales[16];
-    for (int j = 0; j < 16; j++) scales[j] = make_qx_rmse1(16, 32, x + 16 * j, Ls + 16 * j);
+    for (int h = 0; h < 2; h++) {
+        vf X[16];
+        for (int j = 0; j < NL; j++)
+            for (int i = 0; i < 16; i++) X[i][j] = x[16 * (8 * h + j) + i];
+        qx_rmse1_v(32, X, LT[h], scales + 8 * h);
+    }
+    for (int j = 0; j < 16; j++)
+        for (int i = 0; i < 16; i++) Ls[16 * j + i] = LT[j / 8][i * NL + j % 8];
     float amax;
     const float max_scale = first_absmax(16, scales, &amax);
     if (amax < GROUP_MAX_EPS) {
@@ -584,8 +653,8 @@ static int pick(int type, block_fn *fn, int *values, int *bytes) {
     case 8: *fn = q8_0; *values = QK; *bytes = 34; return 0;
     case 10: *fn = q2_k; *values = QK_K; *bytes = 84; return 0;
     case 11: *fn = q3_k; *values = QK_K; *bytes = 110; return 0;
-    case 12: *fn = q4_k; *values = QK_K; *bytes = 144; return 0;
-    case 13: *fn = q5_k; *values = QK_K; *bytes = 176; return 0;
+    case 12: *fn = NULL; *values = QK_K; *bytes = 144; return 0; /* q4_k: two blocks a call */
+    case 13: *fn = NULL; *values = QK_K; *bytes = 176; return 0; /* q5_k */
     case 14: *fn = q6_k; *values = QK_K; *bytes = 210; return 0;
     default: return -1;
     }
@@ -610,7 +679,15 @@ int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int thr
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_runs > 1)
     for (int64_t r = 0; r < n_runs; r++) {
         const int64_t end = (r + 1) * run < n_blocks ? (r + 1) * run : n_blocks;
-        for (int64_t b = r * run; b < end; b++) fn(x + b * values, out + b * bytes);
+        if (fn) {
+            for (int64_t b = r * run; b < end; b++) fn(x + b * values, out + b * bytes);
+        } else {
+            for (int64_t b = r * run; b < end; b += 2) {
+                const int nb = b + 1 < end ? 2 : 1;
+                if (type == 12) q4_k(x + b * values, out + b * bytes, nb);
+                else q5_k(x + b * values, out + b * bytes, nb);
+            }
+        }
     }
     return 0;
 }
