@@ -166,7 +166,7 @@ class Worker:
                                   "engine_error"))
                 self.sinks.clear()
                 self.scheduler = s = s.__class__(s.engine, s.max_batch, s.prefill_chunk, s.prefix_reuse,
-                                                 s.prefix_min, s.retained_most)
+                                                 s.prefix_min, s.retained_most, s.decode_prefill)
                 self._publish()
                 continue
             self._dispatch(events)

@@ -3,9 +3,11 @@
 `Scheduler(engine)` serves many requests at once. Each `step()`:
 1. cancelled requests leave (a running one frees its row in this step);
 2. waiting requests start their prefill, each in a one-row cache of its own, at most
-   `prefill_chunk` tokens (512) per step over all of them (a chunk is never split, so a
-   prompt is cut at the same places whatever else runs; at least one chunk a step), so a
-   long prompt delays the others' next token by one chunk's time, not its whole length;
+   `prefill_chunk` tokens (512) per step over all of them, `decode_prefill` (128) while
+   other rows decode (a chunk is never split, so a prompt is cut at the same places
+   whatever else runs; at least one chunk a step), so a long prompt delays the others'
+   next token by one chunk's time, not its whole length, and a burst of joining short
+   prompts by about one prompt's time a step, not all of theirs at once;
    a prompt that starts with tokens some cached row holds (a shared system prompt) copies
    those columns instead of computing them (prefix reuse);
 3. a prompt whose prefill is done samples its first token and takes a free row of the
@@ -57,6 +59,7 @@ from .errors import PromptError, TwiceError
 from .sampling import Sampler
 
 PREFILL_CHUNK = 512  # prompt tokens prefilled per step, over all joining requests
+DECODE_PREFILL = 128  # ... while other rows decode (they wait for it: ~0.3-1 s of a CPU core), a chunk at least
 PREFIX_MIN = 16  # shortest shared prefix worth copying
 RETAINED = 4  # finished rows whose columns are kept as prefix sources
 HEADROOM = 4  # a relaid cache gets need/HEADROOM more columns than its rows need (see _relayout)
@@ -139,12 +142,14 @@ class _Retained:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 prefix_reuse: bool = True, prefix_min: int = PREFIX_MIN, retained: int = RETAINED):
+                 prefix_reuse: bool = True, prefix_min: int = PREFIX_MIN, retained: int = RETAINED,
+                 decode_prefill: int = DECODE_PREFILL):
         if max_batch < 1:
             raise PromptError(f"the batch must hold at least 1 row, got {max_batch}")
         if prefill_chunk < 1:
             raise PromptError(f"the prefill chunk must be at least 1 token, got {prefill_chunk}")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.decode_prefill = max(1, decode_prefill)
         self.prefix_reuse, self.prefix_min, self.retained_most = prefix_reuse, max(1, prefix_min), retained
         self.counters = Counters()
         self.waiting: collections.deque[_Seq] = collections.deque()
@@ -299,10 +304,13 @@ class Scheduler:
             seq = self.waiting.popleft()
             self._start_prefill(seq)
             self.prefilling.append(seq)
-        budget = self.prefill_chunk  # chunks are at most this long, so the first always fits
+        # While rows decode, they wait for this step's prefill: at most `decode_prefill`
+        # tokens then (a whole chunk at least), else `prefill_chunk`.
+        budget = min(self.prefill_chunk, self.decode_prefill) if self.running else self.prefill_chunk
+        ran = False
         for seq in list(self.prefilling):
-            while seq.done_tokens < len(seq.row.ids) and (n := self._chunk_size(seq)) <= budget:
-                budget -= n
+            while seq.done_tokens < len(seq.row.ids) and ((n := self._chunk_size(seq)) <= budget or not ran):
+                budget, ran = budget - n, True
                 self._prefill_chunk(seq, n)
             if seq.done_tokens < len(seq.row.ids):
                 break  # a whole chunk or none; the next step goes on (in submission order)

@@ -123,3 +123,31 @@ def test_prepare_builds_the_matcher_off_the_scheduler_thread(llama):
     with pytest.raises(c.ConstraintError):
         s.prepare(list(range(3, 9)), bad)
     assert s.counters.submitted == 1 and not s.has_work
+
+
+@native
+def test_while_rows_decode_a_step_prefills_about_one_short_prompt(llama):
+    """Prefill budget while others decode (decode_prefill, 50 tokens here): three 40-token
+    prompts arriving while a row decodes join one a step (the running row waits for one
+    prompt's prefill per step, not for all three); with nothing running the three prefill in
+    one step (prefill_chunk's budget). Every request gets its tokens alone."""
+    settings = GenerationSettings(max_new_tokens=10, ignore_eos=True)
+    prompts = [list(range(100 + 40 * k, 140 + 40 * k)) for k in range(3)]
+    want = [_alone(llama, p, settings) for p in [list(range(3, 9))] + prompts]
+    s = Scheduler(llama, max_batch=4, prefix_reuse=False, decode_prefill=50)
+    first = s.submit(list(range(3, 9)), settings)
+    events = s.step()
+    later = [s.submit(p, settings) for p in prompts]
+    running = []
+    for _ in range(3):
+        events += s.step()
+        running.append(len(s.running))
+    assert running == [2, 3, 4]
+    done = _drain(s, events)
+    assert [done[i] for i in [first, *later]] == want
+    s = Scheduler(llama, max_batch=4, prefix_reuse=False, decode_prefill=50)
+    ids = [s.submit(p, settings) for p in prompts]
+    events = s.step()
+    assert len(s.running) == 3
+    done = _drain(s, events)
+    assert [done[i] for i in ids] == want[1:]
