@@ -298,7 +298,8 @@ class Scheduler:
     # -- prefill --------------------------------------------------------------------------
     def _prefill(self, events: list) -> None:
         """Start waiting requests and run prefill chunks, at most `prefill_chunk` tokens
-        this step (at least one chunk). Requests start while there will be a row for them."""
+        this step (`decode_prefill` while rows decode; at least one chunk). Requests start
+        while there will be a row for them."""
         rows_free = self.max_batch - len(self.running) - len(self.ready)
         while self.waiting and len(self.prefilling) < rows_free:
             seq = self.waiting.popleft()
