@@ -147,6 +147,22 @@ def test_the_refusals_stay(name):
             ValueError("whole number"))
 
 
+@pytest.mark.parametrize("name", ["BF16", "Q5_0", "Q4_K", "Q3_K"])
+def test_the_library_finds_a_nan_or_inf_anywhere(name, portable, monkeypatch):
+    """q_quantize looks at every value (in the pass that quantizes): -2 and quantize's line."""
+    c = quant.codec(name)
+    monkeypatch.setattr(quant, "_free_cores", lambda: 4)
+    for where in (0, 1000 * c.block_size + 5, 2000 * c.block_size - 1):
+        for bad in (float("nan"), float("-inf")):
+            x = torch.zeros(2000, c.block_size)
+            x.view(-1)[where] = bad
+            for lib in (None, portable):
+                with pytest.raises(ValueError, match="NaN or infinity"):
+                    quant._quantize_native(c, x, 4, lib=lib)
+            out = torch.empty(2000 * c.type_size, dtype=torch.uint8)
+            assert portable.q_quantize(c.ggml_type, x.data_ptr(), 2000, out.data_ptr(), 1) == -2
+
+
 def test_unknown_types_are_refused_by_the_library():
     lib = quant.native_library()
     out = torch.empty(34, dtype=torch.uint8)

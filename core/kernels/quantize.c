@@ -668,7 +668,8 @@ int q_quantize_block_bytes(int type) {
 }
 
 /* x: n_blocks blocks of the type's values (float32, contiguous) -> out: n_blocks * type_size
- * bytes. 0, or -1 for a type this file does not quantize. */
+ * bytes. 0; -1 for a type this file does not quantize; -2 where a value is NaN or infinite
+ * (out is then partly written: the caller refuses the values). */
 int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int threads) {
     block_fn fn;
     int values, bytes;
@@ -676,9 +677,19 @@ int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int thr
     const int64_t run = values == QK_K ? 16 : (values == QK ? 512 : 16384);
     const int64_t n_runs = (n_blocks + run - 1) / run;
     if (threads < 1) threads = 1;
+    int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_runs > 1)
     for (int64_t r = 0; r < n_runs; r++) {
         const int64_t end = (r + 1) * run < n_blocks ? (r + 1) * run : n_blocks;
+        /* NaN and inf first (all exponent bits set), the run's values in one pass */
+        const uint32_t *bits = (const uint32_t *)(x + r * run * values);
+        uint32_t any = 0;
+        for (int64_t i = 0; i < (end - r * run) * values; i++) any |= (bits[i] & 0x7F800000u) == 0x7F800000u;
+        if (any) {
+#pragma omp atomic write
+            bad = 1;
+            continue;
+        }
         if (fn) {
             for (int64_t b = r * run; b < end; b++) fn(x + b * values, out + b * bytes);
         } else {
@@ -689,5 +700,5 @@ int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int thr
             }
         }
     }
-    return 0;
+    return bad ? -2 : 0;
 }

@@ -141,11 +141,11 @@ def quantize(x: torch.Tensor, type_name: str, *, native: bool = True) -> torch.T
     lead = tuple(x.shape[:-1])
     with _one_intra_op_thread() as threads:
         x = x.detach().to(device="cpu", dtype=torch.float32)
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            raise ValueError(f"cannot quantize to {c.name}: the values include NaN or infinity")
         blocks = x.reshape(-1, c.block_size)
-        out = _quantize_native(c, blocks, threads) if native else None
+        out = _quantize_native(c, blocks, threads) if native else None  # checks NaN/inf itself
         if out is None:
+            if x.numel() and not bool(torch.isfinite(x).all()):
+                raise ValueError(f"cannot quantize to {c.name}: the values include NaN or infinity")
             out = _quantize_parts(c, blocks, threads)
         if blocks.shape[0] and c.name != "F32":
             _check_finite_scales(out, c.name)
@@ -178,8 +178,8 @@ def declare_native(lib):
 def _quantize_native(c: Codec, blocks: torch.Tensor, threads: int, lib=None) -> torch.Tensor | None:
     """c.quantize_blocks(blocks) by the C quantizer on up to `threads` threads (no more than the
     cores the load average leaves free; OpenMP hands out runs of blocks, so a busy core holds up
-    only its own run); None where there is none (F32, no native kernels). `lib`: another build
-    (the tests' portable one)."""
+    only its own run); None where there is none (F32, no native kernels). ValueError (quantize's
+    line) for a NaN or infinite value. `lib`: another build (the tests' portable one)."""
     if c.name == "F32":
         return None  # a view of the values: nothing to compute
     lib = declare_native(lib) if lib is not None else native_library()
@@ -190,9 +190,10 @@ def _quantize_native(c: Codec, blocks: torch.Tensor, threads: int, lib=None) -> 
     if blocks.shape[0] == 0:
         return out
     workers = max(1, min(threads, _free_cores()))
-    if lib.q_quantize(c.ggml_type, blocks.data_ptr(), blocks.shape[0], out.data_ptr(), workers) != 0:
-        return None
-    return out
+    status = lib.q_quantize(c.ggml_type, blocks.data_ptr(), blocks.shape[0], out.data_ptr(), workers)
+    if status == -2:  # it looks at every value first (one pass with the quantizing, not one more)
+        raise ValueError(f"cannot quantize to {c.name}: the values include NaN or infinity")
+    return out if status == 0 else None
 
 
 # the least values a part of a tensor that quantize() hands to one worker thread holds
