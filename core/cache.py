@@ -25,9 +25,12 @@ k_proj bias; `offset_keys`): the bias is one fixed vector added to every key (up
 of Qwen2.5's layers, where the rest of a key is ~±5), so a block's absmax scale would spend its
 levels on it. softmax(q·k_j) does not change when one vector is subtracted from every key, so
 the native step attends to the stored keys as they are; `read`, `decode_keys` and `write`'s
-keys add the bias back (float32), so every caller still gets the keys. The bias is added before
-RoPE, so the stored difference also holds R(pos)·b − b, which is small where b is large (those
-are the slowly rotating dimensions). Float caches store keys as they are.
+keys add the bias back (float32), so every caller still gets the keys; kernels/decode.c
+subtracts the same bias before it quantizes a new key (Dims.kv_unbias). The bias is added before
+RoPE, so the stored difference also holds R(pos)·b − b: small where Qwen2.5's large entries sit
+(slowly rotating dimensions); a large entry in a fast one would gain nothing (and lose nothing).
+The offset is the model's own weights, so caches and prompt-cache files of one model agree.
+Float caches store keys as they are.
 
 Bytes: 2 · layers · batch · tokens · kv_heads · head_dim · bytes per element (float32 4,
 bfloat16/float16 2, q8_0 34/32, q4_0 18/32), where tokens is `capacity` for what is allocated
