@@ -690,7 +690,11 @@ int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int thr
             bad = 1;
             continue;
         }
-        if (fn) {
+        if (type == 30) { /* one value a "block": a direct loop the compiler vectorizes */
+            for (int64_t b = r * run; b < end; b++) q_bf16(x + b, out + 2 * b);
+        } else if (type == 1) {
+            for (int64_t b = r * run; b < end; b++) q_f16(x + b, out + 2 * b);
+        } else if (fn) {
             for (int64_t b = r * run; b < end; b++) fn(x + b * values, out + b * bytes);
         } else {
             for (int64_t b = r * run; b < end; b += 2) {
