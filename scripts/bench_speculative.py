@@ -11,7 +11,8 @@ and 0.5B Q4_K_M, assembled in ~/.cache/twice/gguf/):
 2. greedy decode tok/s of the target alone, with --lookup and with --draft, on three prompts:
    a code edit (the prompt holds a function, the request asks for it back with a change:
    lookup's case), code writing (the draft's case) and prose; the tokens must be equal;
-   --rounds paired rounds, plain first on even rounds and last on odd ones, medians;
+   --rounds paired rounds (plain between the lookup and the draft run, which swap sides each
+   round), medians;
 3. the speed-up the standard formula predicts beside the measured one: per-position
    acceptance a (solved from the mean accepted run: run = a + a² + ... + a^K), draft cost
    per token c, verify cost v(K) and plain step s measured in the run;
@@ -191,8 +192,11 @@ def run(args) -> dict:
         messages = [{"role": "user", "content": text}] if target.tokenizer.chat_template else None
         request = Request(messages=messages) if messages else Request(text=text)
         results: dict[str, list] = {mode: [] for mode in engines}
-        order = list(engines)
-        for r in range(args.rounds):  # paired, alternating: plain first on even rounds, last on odd ones
+        # Paired rounds: plain in the middle, beside each mode (a load change between runs hits
+        # both sides of a pair alike); the modes swap sides every round.
+        others = [m for m in engines if m != "plain"]
+        order = others[:1] + ["plain"] + others[1:]
+        for r in range(args.rounds):
             for mode in (order if r % 2 == 0 else order[::-1]):
                 engine = engines[mode]
                 engine.reset()
