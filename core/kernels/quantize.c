@@ -14,8 +14,12 @@
  * One entry point: q_quantize(type, x, n_blocks, out, threads). Blocks are independent, so
  * OpenMP hands out runs of blocks (dynamic: a descheduled thread holds up nothing but its run).
  * Never build with -ffast-math. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 #include <math.h>
 #include <stdint.h>
