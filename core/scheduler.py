@@ -205,7 +205,7 @@ class Scheduler:
                                         f"the model's context of {engine.context_length} tokens", row=seq_id,
                                         context=True))
         tokenize = prepared.seconds if prepared is not request else 0.0
-        row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(), tokenize or time.perf_counter() - t, 0)
+        row = _Row(seq_id, ids, settings, max_new, engine.tokenizer.stream(ids), tokenize or time.perf_counter() - t, 0)
         row.constraint = constraint  # Engine._accept advances it and ends the row when it is complete
         sampler = Sampler([settings.sampling], [ids], engine.config.vocab_size, engine.device)
         seq = _Seq(seq_id, row, sampler, constraint, logprobs, float(presence_penalty), float(frequency_penalty), t)
