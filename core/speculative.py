@@ -197,6 +197,7 @@ class Adaptive:
         self.plain_run = 0
         self.retry = RETRY_FIRST
         self.probing = False  # the last choose() was a probe (a first measurement or a retry), not a paying K
+        self.full = 0  # K of the last pass if it kept every guess, else 0 (then one more is tried: see choose)
 
     @property
     def acceptance(self) -> float:
@@ -238,6 +239,10 @@ class Adaptive:
                 self.probing = True
                 return k
         k = self.best()
+        if self.full >= k and self.full < self.most:
+            # Every guess of the last pass was kept: try one more, so the verify-cost line is measured
+            # beyond the probes (two noisy points can make a steep line that keeps K at 1 forever).
+            k = self.full + 1
         if self.rate(k) > MARGIN * self.rate(0):
             self.retry = RETRY_FIRST
             return k
@@ -258,6 +263,7 @@ class Adaptive:
         if self.probing and self.plain_run >= self.retry:  # a retry looked: the next one waits twice as long
             self.retry = min(2 * self.retry, RETRY_MOST)
         self.plain_run = 0
+        self.full = k if kept == k else 0
         if steady:
             per = draft_seconds / k
             self.draft = per if self.draft is None else (1 - EMA) * self.draft + EMA * per

@@ -285,3 +285,16 @@ def test_a_retry_that_found_nothing_to_verify_waits_no_longer_and_one_that_faile
         assert a.choose() == 0
         a.record_plain(1.0)
     assert a.choose() > 0
+
+
+def test_a_pass_that_kept_everything_tries_one_more_guess():
+    a = speculative.Adaptive(probes=(1, 3))
+    a.record_plain(1.0)
+    a.record_pass(1, 1, False, draft_seconds=0.0, verify_seconds=1.05)
+    a.record_pass(3, 3, False, draft_seconds=0.0, verify_seconds=3.0)  # a noisy, steep point: the fit says K=1
+    a.full = 0
+    assert a.choose() == 1
+    a.record_pass(1, 1, False, draft_seconds=0.0, verify_seconds=1.05)
+    assert a.choose() == 2  # all kept: one more
+    a.record_pass(2, 1, True, draft_seconds=0.0, verify_seconds=1.1)
+    assert a.choose() <= 2
