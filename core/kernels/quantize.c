@@ -8,12 +8,14 @@
  * fused into a multiply-add, whatever -march the library is built for), sums one term at a
  * time in the C order, nearest_int's magic-number rounding, fp16 round to nearest even.
  * Where the C reference and the torch port could part (values the reference's int conversions
- * would not hold), this follows the torch port: inside the searches levels are rounded to
- * nearest even and clamped as floats (NaN passes through, as torch.clamp leaves it).
+ * would not hold, as in a block whose 1/d overflows), this follows the torch port: inside the
+ * searches levels are rounded to nearest even and clamped as floats (NaN passes through, as
+ * torch.clamp leaves it), and a float stored as int8/uint8 keeps the low byte of x86's
+ * truncating conversion (INT32_MIN for NaN and out of range), as torch's .to(int8) does.
  *
- * One entry point: q_quantize(type, x, n_blocks, out, threads). Blocks are independent, so
- * OpenMP hands out runs of blocks (dynamic: a descheduled thread holds up nothing but its run).
- * Never build with -ffast-math. */
+ * One entry point: q_quantize(type, x, n_blocks, out, threads), which also refuses NaN and
+ * infinity (-2). Blocks are independent, so OpenMP hands out runs of blocks (dynamic: a
+ * descheduled thread holds up nothing but its run). Never build with -ffast-math. */
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #else
