@@ -40,7 +40,9 @@ from .device import DTYPE_NAMES
 from .errors import TwiceError
 
 FORMAT = "twice-prompt-cache"
-VERSION = "1"
+# 2: q8_0/q4_0 caches hold keys minus the layer's key bias (cache.offset_keys); a version-1 file of such a
+# cache would load as if its keys were unshifted, so it is refused as the stale format it is.
+VERSION = "2"
 TOKEN_IDS = "token_ids"
 
 
