@@ -699,7 +699,12 @@ int q_quantize(int type, const float *x, int64_t n_blocks, uint8_t *out, int thr
         if (type == 30) { /* one value a "block": a direct loop the compiler vectorizes */
             for (int64_t b = r * run; b < end; b++) q_bf16(x + b, out + 2 * b);
         } else if (type == 1) {
-            for (int64_t b = r * run; b < end; b++) q_f16(x + b, out + 2 * b);
+            int64_t b = r * run;
+#if defined(__F16C__)
+            for (; b + 8 <= end; b += 8) /* vcvtps2ph, round to nearest even: as fp16_bits */
+                _mm_storeu_si128((__m128i *)(out + 2 * b), _mm256_cvtps_ph(_mm256_loadu_ps(x + b), 0));
+#endif
+            for (; b < end; b++) q_f16(x + b, out + 2 * b);
         } else if (fn) {
             for (int64_t b = r * run; b < end; b++) fn(x + b * values, out + b * bytes);
         } else {
