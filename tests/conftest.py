@@ -12,6 +12,25 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import tiny  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built(tmp_path_factory):
+    """The native kernels built once, first: every test's processes share the library
+    (_isolated_cache points them at it), and a test that starts a process with a time limit
+    (waiting for a line, a signal sent while it loads) must not pay for the build — with every
+    kernel source it takes 15-20 s on a quiet 2-core machine, far more when it is busy."""
+    folder = str(tmp_path_factory.getbasetemp() / "twice-kernels")
+    before = os.environ.get("TWICE_KERNELS_CACHE")
+    os.environ["TWICE_KERNELS_CACHE"] = folder
+    from twice.core import kernels
+
+    kernels.available()
+    yield
+    if before is None:
+        os.environ.pop("TWICE_KERNELS_CACHE", None)
+    else:
+        os.environ["TWICE_KERNELS_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny.train_tokenizer()
@@ -29,6 +48,18 @@ def model_dirs(tmp_path_factory, tokenizer):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tiny models (one thread is faster than two fighting a
+    busy machine for its cores): `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

@@ -417,17 +417,24 @@ def qwen3moe_files(tmp_path_factory, tokenizer):
     """kind → (folder, file): tiny.py's qwen3_moe sizes (8 experts, top-3, renormalized) with
     every layer sparse, as llama.cpp's qwen3moe has them (tiny.py's has a dense layer: refused
     in one line), and `twice quantize`'s file."""
-    from transformers import AutoModelForCausalLM
+    return _variant_files(tmp_path_factory, tokenizer, "qwen3_moe", "qwen3moe",
+                          mlp_only_layers=[], decoder_sparse_step=1)
 
-    root = tmp_path_factory.mktemp("qwen3moe-gguf")
-    folder = root / "qwen3_moe"
-    config = tiny.hf_config("qwen3_moe")
-    config.mlp_only_layers, config.decoder_sparse_step = [], 1
+
+def _variant_files(tmp_path_factory, tokenizer, family: str, arch: str, **fields):
+    """kind → (folder, file): tiny.py's `family` with `fields` changed (its config rebuilt, so
+    that derived fields such as layer_types follow), saved, and `twice quantize`'s file of it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp(f"{arch}-gguf")
+    folder = root / family
+    base = {k: v for k, v in tiny.hf_config(family).to_dict().items() if k != "layer_types"}
+    config = AutoConfig.for_model(**{**base, **fields})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
     tiny.save_tokenizer(folder, tokenizer)
     files = tiny.gguf_files(root, lambda _: folder, name="tiny random model")
-    return lambda kind: (folder, files("qwen3moe", kind))
+    return lambda kind: (folder, files(arch, kind))
 
 
 def _qwen_reference(folder: Path, path: Path):
@@ -488,17 +495,8 @@ def qwen2moe_files(tmp_path_factory, tokenizer):
     """kind → (folder, file): tiny.py's qwen2_moe sizes (6 experts, top-2, a shared expert of 64
     behind its sigmoid gate, q/k/v biases) without its sliding layers (llama.cpp's qwen2moe has
     none: refused in one line) and with an untied head, and `twice quantize`'s file."""
-    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
-
-    root = tmp_path_factory.mktemp("qwen2moe-gguf")
-    folder = root / "qwen2_moe"
-    fields = {k: v for k, v in tiny.hf_config("qwen2_moe").to_dict().items() if k != "layer_types"}
-    config = Qwen2MoeConfig(**{**fields, "use_sliding_window": False, "tie_word_embeddings": False})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
-    tiny.save_tokenizer(folder, tokenizer)
-    files = tiny.gguf_files(root, lambda _: folder, name="tiny random model")
-    return lambda kind: (folder, files("qwen2moe", kind))
+    return _variant_files(tmp_path_factory, tokenizer, "qwen2_moe", "qwen2moe", use_sliding_window=False,
+                          tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])

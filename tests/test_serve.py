@@ -21,14 +21,8 @@ TWICE = [sys.executable, "-c", "from twice.cli.app import main; main()"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster than two fighting a busy machine for its cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Tiny models on one thread (conftest.one_thread)."""
 
 
 class Server:

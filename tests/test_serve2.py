@@ -17,13 +17,8 @@ native = pytest.mark.skipif(not kernels.available(), reason="no C compiler: deco
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Tiny models on one thread (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

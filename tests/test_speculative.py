@@ -19,13 +19,8 @@ PROMPT = "def f(x):\n    return x * 2  # code"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster than two fighting a busy machine for its cores
-    (a 64-wide product through two OpenMP threads cost milliseconds under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Tiny models on one thread (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

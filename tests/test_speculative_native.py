@@ -10,24 +10,21 @@ import pytest
 import torch
 
 import tiny
+from test_speculative import PROMPT, engine, generate  # the engine runners (the same prompt)
 from twice.core import kernels, speculative
 from twice.core.cache import KVCache
-from twice.core.engine import Done, Engine, GenerationSettings, Request
+from twice.core.engine import GenerationSettings, Request
 from twice.core.native_decode import NativeDecoder, supported
 from twice.weights.load import load
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
 
-PROMPT = "def f(x):\n    return x * 2  # code"
 REPEATS = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Tiny models on one thread (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
@@ -147,18 +144,6 @@ def test_verify_refuses_what_does_not_fit(loaded):
 
 
 # -- greedy identity through the engine ---------------------------------------------------------
-def generate(engine, text=PROMPT, **kw):
-    kw.setdefault("max_new_tokens", 24)
-    kw.setdefault("ignore_eos", True)
-    events = list(engine.generate(Request(text=text), GenerationSettings(**kw)))
-    assert isinstance(events[-1], Done)
-    return events[-1].result
-
-
-def engine(m, draft=None):
-    return Engine(m.model, m.tokenizer, m.eos_token_ids, draft=draft.model if draft is not None else None)
-
-
 @pytest.fixture
 def counted(monkeypatch):
     """Calls of NativeDecoder.verify (the native verify pass ran) and of the eager verify."""
