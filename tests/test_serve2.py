@@ -7,24 +7,13 @@ import threading
 
 import pytest
 
+from test_scheduler import _one_thread, llama  # noqa: F401  (its module fixtures: one thread, the engine)
 from twice.core import kernels
-from twice.core.engine import Done, Engine, GenerationSettings, Request
+from twice.core.engine import Done, GenerationSettings, Request
 from twice.core.errors import PromptError
 from twice.core.scheduler import Prepared, Scheduler, Token
-from twice.weights.load import load
 
 native = pytest.mark.skipif(not kernels.available(), reason="no C compiler: decode stays in PyTorch")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny models on one thread (conftest.one_thread)."""
-
-
-@pytest.fixture(scope="module")
-def llama(model_dirs):
-    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="float32")
-    return Engine(m.model, m.tokenizer, m.eos_token_ids)
 
 
 def _alone(engine, prompt, settings):
