@@ -89,6 +89,11 @@ def hf_greedy(model, ids: torch.Tensor, n: int = 32) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def tensor_table(path: Path) -> dict:
+    """Every tensor of a GGUF file: name -> (shape, bytes), for byte-for-byte comparisons."""
+    return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
+
+
 IDS = torch.tensor([list(range(5, 5 + 24))])
 TEXTS = tiny.CORPUS[:7] + ["<|im_start|>user\nHi<|im_end|>\n"]
 
@@ -196,13 +201,10 @@ def test_converter_and_twice_write_the_same_tensors(converted, written, capsys, 
     """twice quantize writes the converter's tensor names and shapes (an f32 file: the same
     values too), and `twice quantize` of the converter's f32 file to q8_0 writes the bytes
     quantizing the folder does."""
-    def table(path):
-        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
-
-    ours, theirs = table(written(family, "f32")), table(converted(family, "f32"))
+    ours, theirs = tensor_table(written(family, "f32")), tensor_table(converted(family, "f32"))
     theirs.pop("output.weight", None) if "output.weight" not in ours else None
     assert ours == theirs
     again = tmp_path / "again.gguf"
     r = run_inprocess(["quantize", str(converted(family, "f32")), str(again), "--type", "q8_0"], capsys)
     assert r.code == 0, r
-    assert table(again) == table(written(family, "q8_0"))
+    assert tensor_table(again) == tensor_table(written(family, "q8_0"))

@@ -15,7 +15,7 @@ import torch
 
 import tiny
 from llamacpp import convert, llama_logits
-from test_gguf_families import IDS, TEXTS, _float_products, hf_greedy, load_tokenizer, logits, reference  # noqa: F401
+from test_gguf_families import IDS, TEXTS, _float_products, hf_greedy, load_tokenizer, logits, reference, tensor_table  # noqa: F401
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.gguf_file import read_gguf
 from twice.weights.load import load
@@ -295,11 +295,7 @@ def test_twice_writes_the_converters_gemma3_tensors(gemma3_converted, tmp_path):
     folder, theirs = gemma3_converted("f32")
     ours = write_gguf(folder, tmp_path / "ours.gguf", "f32").path
 
-    def table(p):
-        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
-                for t in gguf.GGUFReader(str(p)).tensors}
-
-    assert table(ours) == table(theirs)
+    assert tensor_table(ours) == tensor_table(theirs)
 
 
 # -- mixtral (llama.cpp: the llama architecture with stacked experts) -------------------------
@@ -399,11 +395,7 @@ def test_converter_mixtral_is_what_twice_writes_and_reads(mixtral_files, tmp_pat
     byte (f32), and twice reads its q8_0 file as transformers computes it."""
     folder, ours = mixtral_files("f32")
 
-    def table(p):
-        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
-                for t in gguf.GGUFReader(str(p)).tensors}
-
-    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(ours)
+    assert tensor_table(convert(folder, tmp_path / "theirs.gguf", "f32")) == tensor_table(ours)
     theirs = convert(folder, tmp_path / "theirs-q8_0.gguf", "q8_0")
     stored = load(str(theirs), device="cpu", dtype="float32")
     assert (logits(stored, IDS) - moe_reference(folder, theirs)(IDS).logits[0]).abs().max() < 1e-4
@@ -480,11 +472,7 @@ def test_llama_cpp_and_the_converter_on_qwen3moe(qwen3moe_files, tmp_path):
     want = _qwen_reference(folder, path)(IDS).logits[0]
     assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max())
 
-    def table(p):
-        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
-                for t in gguf.GGUFReader(str(p)).tensors}
-
-    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(path)
+    assert tensor_table(convert(folder, tmp_path / "theirs.gguf", "f32")) == tensor_table(path)
 
 
 # -- qwen2_moe (llama.cpp's qwen2moe: a shared expert beside the routed ones) ------------------
@@ -542,11 +530,7 @@ def test_llama_cpp_and_the_converter_on_qwen2moe(qwen2moe_files, tmp_path):
     want = moe_reference(folder, path, arch="qwen2moe")(IDS).logits[0]
     assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max())
 
-    def table(p):
-        return {t.name: (tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
-                for t in gguf.GGUFReader(str(p)).tensors}
-
-    assert table(convert(folder, tmp_path / "theirs.gguf", "f32")) == table(path)
+    assert tensor_table(convert(folder, tmp_path / "theirs.gguf", "f32")) == tensor_table(path)
 
 
 # -- gemma2 with a SentencePiece tokenizer, through llama.cpp's converter ---------------------
