@@ -253,7 +253,7 @@ def test_resume_after_sigkill_and_torn_write(tmp_path, capsys, llama):
     assert 3 <= len(done) < n_prompts  # killed mid-file
     with open(dst, "ab") as f:
         f.write(b'{"id": "39", "completion": "torn mid-wr')  # a torn last write: no newline
-    r = batch([str(src), "--raw", "-n", "200", "--batch-size", "8", "-o", str(dst), "--resume"], capsys, llama)
+    r = batch([str(src), "--raw", "-n", "20", "--batch-size", "8", "-o", str(dst), "--resume"], capsys, llama)
     assert r.code == 0, r.err
     assert "dropped an incomplete last line" in r.err
     out = read_lines(dst)  # every line complete, valid JSON

@@ -589,18 +589,16 @@ def test_real_smollm2(tmp_path, monkeypatch):
             config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] is True
 
+    # The tokenizer against transformers' own conversion of this file: test_gguf_tokenizer's
+    # test_real_byte_level_files_equal_transformers (loading it again here cost ~10 s).
     mine = AutoTokenizer.from_pretrained(str(folder))
-    theirs = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     for text in ["Hello, world!", "12345", "I ❤️ emoji 🙂🚀", "漢字テスト and 中文",
                  "def f(x):\n    return  x * 2\n\n\tpass  ", "<|im_start|>user\nhi<|im_end|>"]:
-        ids = mine.encode(text)
-        assert ids == theirs.encode(text), text
-        assert mine.decode(ids) == text
+        assert mine.decode(mine.encode(text)) == text
     assert mine.encode("12345") == [mine.convert_tokens_to_ids(d) for d in "12345"]
 
     messages = [{"role": "user", "content": "What is 2+2?"}]
     rendered = mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()

@@ -145,6 +145,13 @@ def test_kernels_never_load_from_a_folder_others_can_write(tmp_path, monkeypatch
     folder instead, and still works; the planted file is never loaded."""
     import os
 
+    # The compiler: a copy of the library this session built (the test is about where a build
+    # goes and what is loaded from there; compiling twice more would cost it ~30 s).
+    session_lib = kernels._build()._name
+    fake_cc = tmp_path / "cc"
+    fake_cc.write_text(f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\ncp "{session_lib}" "$2"\n')
+    fake_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake_cc))
     monkeypatch.delenv("TWICE_KERNELS_CACHE")  # this test is about the kernels' folder in TWICE_CACHE
     shared = tmp_path / "shared"
     (shared / "kernels").mkdir(parents=True)

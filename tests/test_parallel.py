@@ -152,19 +152,17 @@ def test_data_parallel_resume_after_a_lost_rank(model_dirs, tmp_path):
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"prompt number {i}"}) + "\n" for i in range(6)))
     out = tmp_path / "out.jsonl"
     common = ["batch", str(prompts), "-m", folder, "-n", "4", "--raw", "-o", str(out)]
-    r = run_cli_ranks(common)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = out.read_text().splitlines()
-    # Pretend rank 1 died after its first line and the merge never happened.
-    rank1 = [line for line in lines if json.loads(line)["id"] % 2 == 1]
-    out.unlink()
-    (tmp_path / "out.jsonl.part-1-of-2").write_text(rank1[0] + "\n" + rank1[1][:15])
+    # Rank 1 died after its first line (its second torn) and the merge never happened; rank
+    # 0's part is missing.
+    first = json.dumps({"id": 1, "completion": "kept as it was", "finish_reason": "length"})
+    (tmp_path / "out.jsonl.part-1-of-2").write_text(first + "\n" + '{"id": 3, "compl')
     r = run_cli_ranks(common)
     assert r.returncode != 0 and "already exists; pass --resume" in r.stderr
     r = run_cli_ranks(common + ["--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
-    assert ids == list(range(6))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == list(range(6))
+    assert records[1]["completion"] == "kept as it was"
 
 
 def test_tensor_parallel_batch_equals_one_rank(model_dirs, tmp_path):

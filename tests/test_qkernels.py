@@ -204,8 +204,10 @@ def test_avx512_and_vnni_variants_compile(march, tmp_path):
     if known.returncode != 0:
         pytest.skip(f"this compiler does not know -march={march}")
     sources = [str(kernels.Path(kernels.__file__).with_name(f)) for f in ("qdot.c", "qdot_legacy.c", "qdot_kquants.c")]
-    result = subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Werror",
-                             *sources, "-o", str(tmp_path / "q.so"), "-lm"], capture_output=True, text=True)
+    # -O1 and no link: whether the intrinsics compile for the target does not depend on how hard
+    # gcc optimizes them (-O3 tripled the test's time)
+    result = subprocess.run([compiler, "-O1", f"-march={march}", "-fopenmp", "-fPIC", "-Wall", "-Werror", "-c",
+                             *sources], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
 
