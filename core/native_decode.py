@@ -66,7 +66,10 @@ class _Layer(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in _VECTORS] + [(name, _Weight) for name in _MATRICES]
                 + [("window", ctypes.c_int64), ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p),
                    ("local", ctypes.c_int64), ("moe", ctypes.c_int64), ("router", _Weight),
-                   ("experts_gate_up", _Weight), ("experts_down", _Weight)])
+                   ("experts_gate_up", _Weight), ("experts_down", _Weight),
+                   # moe:shared: the shared expert's gate [1, hidden], its gated MLP; shared_inter 0 = none
+                   ("shared_gate", _Weight), ("shared_gate_up", _Weight), ("shared_down", _Weight),
+                   ("shared_inter", ctypes.c_int64)])
 
 
 def _sparse(mlp) -> bool:
@@ -89,7 +92,7 @@ IMPLEMENTS = frozenset({"block:llama", "act:silu", "act:swish", "qkv_bias", "o_b
                         "window",
                         "block:post_norm", "qk_norm:full", "block:sandwich", "norm:offset1",
                         "act:gelu_pytorch_tanh", "embed_scale", "attn_softcap", "final_softcap", "rope:local",
-                        "rope:partial", "moe"})
+                        "rope:partial", "moe", "moe:shared"})
 
 
 def _block_norms(block, kind: int) -> dict:
@@ -178,11 +181,18 @@ def supported(model: CausalLM) -> bool:
     for block in model.layers:
         a, m = block.self_attn, block.mlp
         matrices += [a.qkv_proj.weight, a.o_proj.weight]
-        if _sparse(m):  # "moe": router + stacked experts; a shared expert ("moe:shared") is not implemented
-            if "moe" not in features or getattr(m, "shared_expert", None) is not None or m.gate.bias is not None:
+        if _sparse(m):  # "moe": router + stacked experts (a router bias is not implemented)
+            if "moe" not in features or m.gate.bias is not None:
                 return False
             experts.add((m.experts.experts, m.top_k, m.experts.intermediate, m.renormalize, m.float_weights))
             matrices += [m.gate.weight, m.experts.gate_up_proj.weight, m.experts.down_proj.weight]
+            shared = getattr(m, "shared_expert", None)
+            if shared is not None:  # "moe:shared": a gated MLP without biases behind a one-row sigmoid gate
+                g = m.shared_expert_gate
+                if ("moe:shared" not in features or g.bias is not None or shared.gate_up_proj.bias is not None
+                        or shared.down_proj.bias is not None or g.weight.shape[0] != 1):
+                    return False
+                matrices += [g.weight, shared.gate_up_proj.weight, shared.down_proj.weight]
         else:
             matrices += [m.gate_up_proj.weight, m.down_proj.weight]
         if any(w is None for w in _block_norms(block, kind).values()):
@@ -279,6 +289,11 @@ class NativeDecoder:
                 self.layers[i].moe = 1
                 matrices.update(router=m.gate.weight, experts_gate_up=m.experts.gate_up_proj.weight,
                                 experts_down=m.experts.down_proj.weight)
+                if getattr(m, "shared_expert", None) is not None:  # moe:shared (qwen2_moe)
+                    matrices.update(shared_gate=m.shared_expert_gate.weight,
+                                    shared_gate_up=m.shared_expert.gate_up_proj.weight,
+                                    shared_down=m.shared_expert.down_proj.weight)
+                    self.layers[i].shared_inter = m.shared_expert.intermediate
             else:
                 matrices.update(gate_up=m.gate_up_proj.weight, down=m.down_proj.weight)
             for name, w in matrices.items():

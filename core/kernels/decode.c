@@ -88,6 +88,10 @@ typedef struct { /* NULL where the model has no such tensor */
     int64_t moe;   /* 1: the MLP is the router and the stacked experts below (gate_up/down unused) */
     Weight router; /* [experts, hidden] */
     Weight experts_gate_up, experts_down; /* expert e: rows [e·2·moe_inter, +2·moe_inter) / [e·hidden, +hidden) */
+    /* moe:shared (qwen2_moe): besides the routed experts, a gated MLP of `shared_inter` rows whose output,
+     * times sigmoid(x · shared_gate), is added (experts.SparseMoE); shared_inter 0: none. */
+    Weight shared_gate, shared_gate_up, shared_down; /* [1, hidden], [2·shared_inter, hidden], [hidden, shared_inter] */
+    int64_t shared_inter;
 } Layer;
 
 static inline float rnd(const Dims *d, float f) { return d->bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
@@ -802,8 +806,23 @@ static void gated_act(const Dims *d, const float *gu, int64_t inter, float *h) {
     }
 }
 
-/* Scratch of the moe MLP: router logits, per row its chosen experts and weights, and the
- * rows one expert serves, gathered. */
+/* out = rnd(down(h) + down_bias), h = rnd(rnd(act(gate)) · up), [gate | up] = rnd(gate_up(x) + gate_up_bias),
+ * for `rows` rows x [rows, hidden] → out [rows, hidden]: the gated MLP of a dense layer, of a routed
+ * expert (its rows of the stacked matrices, sub_weight) and of qwen2_moe's shared expert. gu [rows,
+ * 2·inter] and h [rows, inter] are scratch. */
+static void gated_mlp(const Dims *d, const Weight *gate_up, const void *gate_up_bias, const Weight *down,
+                      const void *down_bias, int64_t inter, const float *x, int64_t rows, float *out, float *gu,
+                      float *h, uint16_t *xw, void *xq, int threads) {
+    const int64_t H = d->hidden;
+    linear(d, gate_up, gate_up_bias, x, H, 2 * inter, rows, gu, xw, xq, threads);
+    #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) gated_act(d, gu + r * 2 * inter, inter, h + r * inter);
+    linear(d, down, down_bias, h, inter, H, rows, out, xw, xq, threads);
+}
+
+/* Scratch of the moe MLP: router logits (then the shared expert's gate), per row its chosen
+ * experts and weights, the rows one expert serves, gathered, and the gated MLP's (gu, h: wide
+ * enough for the routed and the shared experts). */
 typedef struct {
     float *logits, *weight, *gx, *gu, *h, *y;
     int64_t *chosen, *slot;
@@ -811,7 +830,9 @@ typedef struct {
 
 /* t = Σ over each row's top_k experts, in increasing expert order, of rnd(rnd(expert(x)) · w),
  * rounded after every add, as experts.py's eager loop does. An expert runs once over the rows
- * that chose it, reading only its own rows of the stacked matrices. */
+ * that chose it, reading only its own rows of the stacked matrices. With a shared expert
+ * (Layer.shared_inter), then t = rnd(t + rnd(rnd(sigmoid(rnd(x · shared_gate))) · shared(x))),
+ * as SparseMoE.forward's `y + sigmoid(g(x)) * shared(x)` rounds in the model dtype. */
 static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows, float *t, const MoeScratch *m,
                     uint16_t *xw, void *xq, int threads) {
     const int64_t H = d->hidden, E = d->experts, K = d->top_k, I = d->moe_inter;
@@ -852,13 +873,20 @@ static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows,
         if (!n) continue;
         const Weight gu = sub_weight(d, &L->experts_gate_up, e * 2 * I, (e + 1) * 2 * I, H);
         const Weight dn = sub_weight(d, &L->experts_down, e * H, (e + 1) * H, I);
-        linear(d, &gu, NULL, m->gx, H, 2 * I, n, m->gu, xw, xq, threads);
-        for (int64_t j = 0; j < n; j++) gated_act(d, m->gu + j * 2 * I, I, m->h + j * I);
-        linear(d, &dn, NULL, m->h, I, H, n, m->y, xw, xq, threads);
+        gated_mlp(d, &gu, NULL, &dn, NULL, I, m->gx, n, m->y, m->gu, m->h, xw, xq, threads);
         for (int64_t j = 0; j < n; j++) {
             const int64_t r = m->slot[j] / K;
             const float w = m->weight[m->slot[j]];
             for (int64_t i = 0; i < H; i++) t[r * H + i] = rnd(d, t[r * H + i] + rnd(d, m->y[j * H + i] * w));
+        }
+    }
+    if (L->shared_inter > 0) {
+        gated_mlp(d, &L->shared_gate_up, NULL, &L->shared_down, NULL, L->shared_inter, x, rows, m->y, m->gu, m->h,
+                  xw, xq, threads);
+        linear(d, &L->shared_gate, NULL, x, H, 1, rows, m->logits, xw, xq, threads); /* [rows, 1] */
+        for (int64_t r = 0; r < rows; r++) {
+            const float s = rnd(d, 1.0f / (1.0f + expf(-m->logits[r])));
+            for (int64_t i = 0; i < H; i++) t[r * H + i] = rnd(d, t[r * H + i] + rnd(d, s * m->y[r * H + i]));
         }
     }
 }
@@ -888,6 +916,10 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     const int64_t widest = 2 * d->inter > qkv ? 2 * d->inter : qkv;
     int64_t wide_in = d->inter > H ? (d->inter > q_size ? d->inter : q_size) : (H > q_size ? H : q_size);
     if (d->moe_inter > wide_in) wide_in = d->moe_inter;
+    int64_t SI = 0; /* the widest shared expert (moe:shared) */
+    for (int64_t l = 0; l < d->layers; l++)
+        if (layers[l].moe && layers[l].shared_inter > SI) SI = layers[l].shared_inter;
+    if (SI > wide_in) wide_in = SI;
     const int64_t el = d->bf16 ? 2 : 4;
     if (D > 1024 || rows < 1) return -1;
     for (int64_t r = 0; r < rows; r++)
@@ -911,11 +943,17 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             const int64_t c[3] = {act_bytes(&layers[l].router, H), act_bytes(&layers[l].experts_gate_up, H),
                                   act_bytes(&layers[l].experts_down, d->moe_inter)};
             for (int i = 0; i < 3; i++) if (c[i] > most) most = c[i];
+            if (layers[l].shared_inter > 0) {
+                const int64_t s[3] = {act_bytes(&layers[l].shared_gate, H), act_bytes(&layers[l].shared_gate_up, H),
+                                      act_bytes(&layers[l].shared_down, layers[l].shared_inter)};
+                for (int i = 0; i < 3; i++) if (s[i] > most) most = s[i];
+            }
         }
     }
     void *xq = malloc(rows * most + 64);
     MoeScratch moe = {0};
-    const int64_t E = d->experts > 0 ? d->experts : 1, K = d->top_k > 0 ? d->top_k : 1, MI = d->moe_inter;
+    const int64_t E = d->experts > 0 ? d->experts : 1, K = d->top_k > 0 ? d->top_k : 1;
+    const int64_t MI = d->moe_inter > SI ? d->moe_inter : SI; /* gu / h serve the routed and the shared experts */
     if (d->experts > 0) {
         moe.logits = malloc(sizeof(float) * rows * E);
         moe.weight = malloc(sizeof(float) * rows * K);
@@ -1035,10 +1073,8 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         if (L->moe) {
             moe_mlp(d, L, mlp_in, rows, t, &moe, xw, xq, threads);
         } else {
-        linear(d, &L->gate_up, L->gate_up_bias, mlp_in, H, 2 * d->inter, rows, big, xw, xq, threads);
-        #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-        for (int64_t r = 0; r < rows; r++) gated_act(d, big + r * 2 * d->inter, d->inter, att + r * d->inter);
-        linear(d, &L->down, L->down_bias, att, d->inter, H, rows, t, xw, xq, threads);
+            gated_mlp(d, &L->gate_up, L->gate_up_bias, &L->down, L->down_bias, d->inter, mlp_in, rows, t, big, att, xw,
+                      xq, threads);
         }
         if (d->block != BLOCK_LLAMA) {
             #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
