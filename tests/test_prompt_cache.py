@@ -169,6 +169,12 @@ def _tokens_lie(p: Path) -> None:
     _rewrite_header(p, change)
 
 
+def _version_1(p: Path) -> None:  # the version before caches stored keys minus their key bias
+    def change(h):
+        h["__metadata__"]["version"] = "1"
+    _rewrite_header(p, change)
+
+
 def _not_ours(p: Path) -> None:
     from safetensors.torch import save_file
 
@@ -181,6 +187,7 @@ BAD = [
     ("header lies", _shape_lies, "corrupt prompt-cache entry for tensor 'k'"),
     ("token count lies", _tokens_lie, "its metadata says 24 tokens, token_ids holds 25"),
     ("wrong shapes", _wrong_shapes, "tensor 'k' is F32 [2, 3, 25, 16], this model's cache needs F32 [2, 2, 25, 16]"),
+    ("version 1", _version_1, "prompt-cache version '1', this twice reads 2"),
     ("not a prompt cache", _not_ours, "not a twice prompt cache"),
     ("empty", lambda p: p.write_bytes(b""), "truncated prompt-cache file"),
     ("huge header", lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "not a twice prompt cache"),
