@@ -13,7 +13,9 @@ the cache holds them): a batch reads each weight once for all its rows.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 
 import torch
 
@@ -51,7 +53,8 @@ _MATRICES = ("qkv", "o", "gate_up", "down")
 MAX_PARTS = 3
 FLOAT_TYPE = -1  # a float matrix in the model's dtype (decode.c multiplies it with gemm)
 # The block types decode.c multiplies (through qdot.c's q_gemm), by ggml type id.
-BLOCK_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+BLOCK_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14}
+                        | {t + kernels.X8 for t in (2, 3, 6, 7, 8)})  # + their interleaved layout (qweight)
 
 
 class _Part(ctypes.Structure):
@@ -59,7 +62,9 @@ class _Part(ctypes.Structure):
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("part", _Part * MAX_PARTS), ("parts", ctypes.c_int64)]
+    # many: a stacked expert matrix of more than MAX_PARTS parts (a GGUF file's experts) points to its
+    # parts there (decode.c's Weight); NULL: part[] holds them
+    _fields_ = [("part", _Part * MAX_PARTS), ("parts", ctypes.c_int64), ("many", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -77,11 +82,21 @@ def _sparse(mlp) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
-def _weight_ok(w, dtype: torch.dtype) -> bool:
-    if isinstance(w, BlockWeight):
-        return len(w.parts) <= MAX_PARTS and all(p.codec.ggml_type in BLOCK_TYPES and p.data.is_contiguous()
-                                                 for p in w.parts)
-    return w.dtype == dtype and w.is_contiguous()
+def _weight_ok(w, dtype: torch.dtype, per_expert: int = 0) -> bool:
+    """A matrix decode.c multiplies: a contiguous float tensor in the model's dtype, or at most
+    MAX_PARTS parts of blocks it multiplies. A stacked expert matrix (`per_expert` rows an expert)
+    may have any number of parts (a GGUF file's: an expert's gate and up rows lie in two tensors)
+    so long as each expert's rows span at most MAX_PARTS of them (decode.c's sub_weight)."""
+    if not isinstance(w, BlockWeight):
+        return w.dtype == dtype and w.is_contiguous()
+    if not all(p.codec.ggml_type in BLOCK_TYPES and p.data.is_contiguous() for p in w.parts):
+        return False
+    if not per_expert:
+        return len(w.parts) <= MAX_PARTS
+    ends = list(itertools.accumulate(p.rows for p in w.parts))
+    starts = [0] + ends[:-1]  # parts [first, last) overlap rows [lo, lo + per_expert)
+    return all(bisect.bisect_left(starts, lo + per_expert) - bisect.bisect_right(ends, lo) <= MAX_PARTS
+               for lo in range(0, w.out_features, per_expert))
 
 
 # What decode.c implements (family.py): llama-style blocks (RMSNorm before attention and
@@ -184,8 +199,12 @@ def supported(model: CausalLM) -> bool:
         if _sparse(m):  # "moe": router + stacked experts (a router bias is not implemented)
             if "moe" not in features or m.gate.bias is not None:
                 return False
-            experts.add((m.experts.experts, m.top_k, m.experts.intermediate, m.renormalize, m.float_weights))
-            matrices += [m.gate.weight, m.experts.gate_up_proj.weight, m.experts.down_proj.weight]
+            ex = m.experts
+            experts.add((ex.experts, m.top_k, ex.intermediate, m.renormalize, m.float_weights))
+            matrices.append(m.gate.weight)
+            if not (_weight_ok(ex.gate_up_proj.weight, dtype, 2 * ex.intermediate)
+                    and _weight_ok(ex.down_proj.weight, dtype, ex.hidden)):
+                return False
             shared = getattr(m, "shared_expert", None)
             if shared is not None:  # "moe:shared": a gated MLP without biases behind a one-row sigmoid gate
                 g = m.shared_expert_gate
@@ -224,13 +243,21 @@ def _pointer(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def _describe(w) -> _Weight:
-    """A matrix as decode.c's Weight: its stored parts (one float part for a float matrix)."""
+def _describe(w, keep: list | None = None) -> _Weight:
+    """A matrix as decode.c's Weight: its stored parts (one float part for a float matrix). More
+    than MAX_PARTS (a stacked expert matrix: _weight_ok) go into an array appended to `keep`,
+    which the caller holds as long as decode.c may read it."""
     out = _Weight()
     if isinstance(w, BlockWeight):
-        for i, p in enumerate(w.parts):
-            out.part[i] = _Part(_pointer(p.data), p.codec.ggml_type, p.rows)
-        out.parts = len(w.parts)
+        parts = [_Part(_pointer(p.data), p.codec.ggml_type, p.rows) for p in w.parts]
+        if len(parts) > MAX_PARTS:
+            many = (_Part * len(parts))(*parts)
+            keep.append(many)
+            out.many = ctypes.addressof(many)
+        else:
+            for i, p in enumerate(parts):
+                out.part[i] = p
+        out.parts = len(parts)
     else:
         out.part[0] = _Part(_pointer(w), FLOAT_TYPE, w.shape[0])
         out.parts = 1
@@ -269,6 +296,7 @@ class NativeDecoder:
         width = model.rope.cos.shape[-1]
         self.dims.rot = width if width != c.head_dim else 0
         self.layers = (_Layer * len(layers))()
+        self._parts: list = []  # the part arrays of stacked experts with many parts (_describe)
         self.key_biases = [found for block in layers if (found := key_bias(block.self_attn)) is not None]
         for i, block in enumerate(layers):
             a, m = block.self_attn, block.mlp
@@ -297,7 +325,7 @@ class NativeDecoder:
             else:
                 matrices.update(gate_up=m.gate_up_proj.weight, down=m.down_proj.weight)
             for name, w in matrices.items():
-                setattr(self.layers[i], name, _describe(w))
+                setattr(self.layers[i], name, _describe(w, self._parts))
             self.layers[i].window = a.window or 0
             self.layers[i].local = int(self.local and block.local_rope)
         self.final_norm = _pointer(model.norm.weight)

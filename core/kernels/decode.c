@@ -33,6 +33,7 @@ void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq);
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads);
 void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads);
+void q_dequantize_at(int type, const void *w, int64_t first, int64_t nrows, int64_t n, float *out, int threads);
 int64_t q_row_bytes(int type, int64_t n);
 
 /* What a family needs beyond llama's block (native_decode.py reads it off the model's
@@ -77,7 +78,16 @@ enum { KV_FLOAT = 0, KV_Q4_0 = 2, KV_Q8_0 = 8 };
 #define MAX_PARTS 3
 #define FLOAT_TYPE -1
 typedef struct { const void *data; int64_t type, rows; } Part;
-typedef struct { Part part[MAX_PARTS]; int64_t parts; } Weight;
+typedef struct {
+    Part part[MAX_PARTS];
+    int64_t parts;
+    /* Not NULL: the `parts` parts are there and part[] is unused. Only stacked expert matrices have
+     * more than MAX_PARTS (a GGUF file's experts: each expert's gate rows and up rows are views of
+     * the file's two tensors); decode.c multiplies an expert's rows of them (sub_weight: <= MAX_PARTS). */
+    const Part *many;
+} Weight;
+
+static inline const Part *parts_of(const Weight *w) { return w->many ? w->many : w->part; }
 
 typedef struct { /* NULL where the model has no such tensor */
     const void *in_norm, *qkv_bias, *q_norm, *k_norm, *o_bias, *post_norm, *gate_up_bias, *down_bias;
@@ -153,7 +163,7 @@ static void linear(const Dims *d, const Weight *w, const void *b, const float *x
                    int64_t rows, float *y, uint16_t *xw, void *xq, int threads) {
     int64_t row = 0, prepared = -1; /* the family x is prepared for in xq (one per family: qdot.h) */
     for (int64_t p = 0; p < w->parts; p++) {
-        const Part *part = &w->part[p];
+        const Part *part = &parts_of(w)[p];
         if (part->type == FLOAT_TYPE) { /* the whole matrix (a float model's weights are one part) */
             if (d->bf16) narrow(x, xw, rows * n);
             gemm(part->data, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
@@ -168,13 +178,11 @@ static void linear(const Dims *d, const Weight *w, const void *b, const float *x
     for (int64_t r = 0; r < rows; r++) add_round(d, y + r * out, NULL, b, out);
 }
 
-static int64_t embed_row_bytes(const Part *e, int64_t n) { return q_row_bytes((int)e->type, n); }
-
 static int64_t act_bytes(const Weight *w, int64_t n) { /* prepared-activation bytes of one row */
     int64_t most = 0;
     for (int64_t p = 0; p < w->parts; p++)
-        if (w->part[p].type != FLOAT_TYPE) {
-            const int64_t b = q_act_bytes((int)w->part[p].type, n);
+        if (parts_of(w)[p].type != FLOAT_TYPE) {
+            const int64_t b = q_act_bytes((int)parts_of(w)[p].type, n);
             if (b > most) most = b;
         }
     return most;
@@ -185,10 +193,10 @@ static int64_t act_bytes(const Weight *w, int64_t n) { /* prepared-activation by
 static Weight sub_weight(const Dims *d, const Weight *w, int64_t lo, int64_t hi, int64_t n) {
     Weight out = {0};
     int64_t row = 0;
-    for (int64_t p = 0; p < w->parts; p++) {
-        const Part *part = &w->part[p];
+    for (int64_t p = 0; p < w->parts && row < hi; p++) {
+        const Part *part = &parts_of(w)[p];
         const int64_t a = lo > row ? lo : row, b = hi < row + part->rows ? hi : row + part->rows;
-        if (a < b) {
+        if (a < b && out.parts < MAX_PARTS) { /* native_decode.supported: an expert spans <= MAX_PARTS parts */
             const int64_t bytes = part->type == FLOAT_TYPE ? n * (d->bf16 ? 2 : 4) : q_row_bytes((int)part->type, n);
             out.part[out.parts].data = (const char *)part->data + (a - row) * bytes;
             out.part[out.parts].type = part->type;
@@ -977,7 +985,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         if (e->type == FLOAT_TYPE)
             for (int64_t i = 0; i < H; i++) x[r * H + i] = load(d, e->data, tokens[r] * H + i);
         else { /* one stored row, dequantized; rounded to the model dtype as the eager lookup is */
-            q_dequantize((int)e->type, (const char *)e->data + tokens[r] * (embed_row_bytes(e, H)), 1, H, x + r * H, 1);
+            q_dequantize_at((int)e->type, e->data, tokens[r], 1, H, x + r * H, 1); /* (an x8 row: from its group) */
             add_round(d, x + r * H, NULL, NULL, H);
         }
         if (d->embed_scale != 0.0f) /* embed_scale: times √hidden in the model dtype, rounded */
