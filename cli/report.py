@@ -204,6 +204,12 @@ def speculation_rows(t: Table, s: dict | None) -> None:
     t.add_row("", "tokens/s", f"{s['decode_tokens_per_s']:,.1f}",
               f"decode with the draft's share; {s['decode_tokens_per_s_without_draft']:,.1f} without it "
               "(decode time − draft time)")
+    if (p := s.get("prediction")) is not None:
+        t.add_row("", "predicted speed-up", f"{p['speedup']:.2f}x",
+                  f"the standard formula over the request: acceptance {100 * p['acceptance']:.0f}%, mean K "
+                  f"{p['mean_k']:.1f}, draft {seconds(p['draft_s_per_guess'])}/guess, verify "
+                  f"{seconds(p['verify_s_per_pass'])}/pass, step {seconds(p['step_s'])}, prefill and catch-up "
+                  f"{seconds(p['catch_up_s'])}")
 
 
 def speculation_line(s: dict | None) -> str | None:
@@ -212,6 +218,7 @@ def speculation_line(s: dict | None) -> str | None:
     return (f"speculate {s['proposer']}: {s['accepted']:,}/{s['proposals']:,} accepted "
             f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_target_pass']:.2f} tokens per pass, "
             f"draft {seconds(s['draft_s'])} · verify {seconds(s['verify_s'])}"
+            + (f", predicted {s['predicted_speedup']:.2f}x" if s.get("predicted_speedup") is not None else "")
             + ("; drafting off (it cannot pay)" if s.get("drafting_off") else ""))
 
 

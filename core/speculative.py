@@ -37,9 +37,9 @@ the columns beyond are dead and overwritten by the next writes), and the draft's
 longest prefix it shares with the text. A chat turn after a speculative turn reuses the cache
 exactly as after a plain one.
 
-How many tokens to propose (`Adaptive`): from the measured acceptance rate a (a kept guess
-counts as a success, the first rejected one of a pass as a failure; the guesses after it are
-never judged), the measured time of a draft step c, of a verify pass v(K) (a line fitted to
+How many tokens to propose (`Adaptive`): from the acceptance rate a (a Beta prior's mean,
+updated by every pass: a kept guess counts as a success, the first rejected one of a pass as a
+failure; the guesses after it are never judged; LOOKUP_PRIOR, DRAFT_PRIOR), the measured time of a draft step c, of a verify pass v(K) (a line fitted to
 the sizes measured) and of a plain decode step s, the expected tokens of a pass with K guesses
 are (1 − a^(K+1)) / (1 − a) (Leviathan et al.), so the rate is that over K·c + v(K); K in 1..8
 maximizes it, or no drafting where the best rate is below 1 / s. While not drafting, a pass
@@ -48,9 +48,15 @@ with guesses is retried after 8, 16, ..., 128 plain steps to see whether things 
 
 A draft model with adaptive K is planned before it runs (Speculator): the probes' verify
 passes take free guesses (lookup's, padded), the draft's step is timed once on a dummy cache,
-and where no K pays with every guess kept, or what that best case saves over the tokens left
-does not repay the draft's prefill (estimated from the target's prefill rate), drafting is off
-for the request: the draft is never prefilled, and one Notice says why.
+and where no K pays at the acceptance the draft is expected to have (the prior's mean, never
+100%: or what the draft's last requests measured), or what it saves over the tokens left does
+not repay the draft's prefill (estimated from the target's prefill rate), drafting is off for
+the request: the draft is never prefilled, and one Notice says why. Once drafting, the
+prefill is paid: after every pass the posterior acceptance decides, and as soon as no K is
+expected faster than plain steps drafting stops for good (plain steps would leave the draft
+behind and bring no evidence that it would pay again). `predict` is the speed-up the
+standard formula gives for the whole request (--json `predicted_speedup`), with the draft's
+prefill, catch-ups and dummy step counted.
 
 This module never prints; the engine yields its events.
 """
@@ -78,6 +84,16 @@ EMA = 0.3  # weight of a new time measurement
 CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens runs as native virtual rows
 STEADY_CATCH_UP = 2  # a draft's catch-up after a verify pass: its last guess and the model's token
 MARGIN = 1.05  # drafting is chosen only where it is expected this much faster than plain steps
+# Acceptance priors: Beta pseudo-counts (kept, judged guesses), updated by every pass (Adaptive).
+# Lookup: 1/2 worth one judged guess (its guesses are free, a probe that fails costs little).
+# A draft: what a plan judges the draft's prefill and each K at before any draft pass has run
+# (never 100%: see the module doc), worth four judged guesses so that a few passes of evidence
+# outweigh it. Measured per-position acceptance of Qwen2.5-Coder-0.5B drafting the 1.5B (Q4_K_M,
+# greedy, K = 3, 64 tokens, scripts/bench_speculative.py's prompts): prose 0.60, code writing
+# 0.86, a code edit 1.00; the prior takes the lowest (a prefill paid for nothing costs more
+# than a drafting chance missed).
+LOOKUP_PRIOR = (0.5, 1.0)
+DRAFT_PRIOR = (2.4, 4.0)  # mean 0.6
 
 
 class DraftError(TwiceError):
@@ -133,6 +149,11 @@ class SpeculationStats:
     k_used: dict = field(default_factory=dict)  # K -> passes with that many guesses (0: plain steps)
     probe_passes: int = 0  # verify passes of free guesses that measured v(K) before the draft ran (Plan)
     probe_seconds: float = 0.0
+    probe_tokens: int = 0  # tokens the probe passes yielded
+    rejected: int = 0  # verify passes that rejected a guess (judged guesses = accepted + rejected)
+    plan_seconds: float = 0.0  # the draft's dummy step (Draft.step_seconds), part of draft_seconds
+    catch_up_seconds: float = 0.0  # the draft's prefill and catch-ups longer than STEADY_CATCH_UP, part of draft_seconds
+    catch_up_tokens: int = 0
     off: str | None = None  # why drafting stopped for good ("drafting off: ..."), said once
 
     @property
@@ -148,10 +169,20 @@ class SpeculationStats:
         """Guesses kept per verify pass."""
         return self.accepted / self.verify_passes if self.verify_passes else 0.0
 
+    @property
+    def judged(self) -> int:
+        """Guesses whose fate says something of the acceptance: the kept ones and, per pass,
+        the first rejected one (the guesses after it are never judged)."""
+        return self.accepted + self.rejected
+
+    @property
+    def plain_steps(self) -> int:
+        return self.k_used.get(0, 0)
+
     def to_dict(self, decode_seconds: float = 0.0, generated: int = 0) -> dict:
         n = generated - 1
         without = decode_seconds - self.draft_seconds
-        return {
+        d = {
             "proposer": self.proposer,
             "draft_tokens": self.fixed_k if self.fixed_k is not None else "adaptive",
             "proposals": self.proposed,
@@ -168,9 +199,40 @@ class SpeculationStats:
             "probe_passes": self.probe_passes,
             "probe_s": self.probe_seconds,
             "drafting_off": self.off,
+            "judged": self.judged,
+            "catch_up_s": self.catch_up_seconds,
+            "catch_up_tokens": self.catch_up_tokens,
+            "plan_s": self.plan_seconds,
+            "probe_tokens": self.probe_tokens,
             "decode_tokens_per_s": n / decode_seconds if n > 0 and decode_seconds > 0 else 0.0,
             "decode_tokens_per_s_without_draft": n / without if n > 0 and without > 0 else 0.0,
         }
+        d["prediction"] = pred = predict_run(d)
+        d["predicted_speedup"] = pred["speedup"] if pred else None
+        return d
+
+
+def predict_run(spec: dict, step: float | None = None) -> dict | None:
+    """`predict` for a request from its counts (SpeculationStats.to_dict's keys): the
+    acceptance per judged guess, the draft's steady cost per guess (its time less the prefill,
+    the long catch-ups and the dummy step, which count apart), the mean verify pass. step: the
+    plain decode step it is judged against (default: this request's own plain steps' mean;
+    None, no prediction, when it had none and no step is given)."""
+    k_used = {int(k): n for k, n in spec["k_used"].items()}
+    plain = k_used.pop(0, 0)
+    if step is None:
+        step = spec["plain_step_s"] / plain if plain else None
+    if not step:
+        return None
+    proposed, judged = spec["proposals"], spec.get("judged", 0)
+    fixed = spec.get("plan_s", 0.0) + spec.get("catch_up_s", 0.0)
+    draft = spec["draft_s"] - fixed
+    return predict(step, plain_steps=plain, probe_tokens=spec.get("probe_tokens", 0),
+                   probe_seconds=spec.get("probe_s", 0.0), k_used=k_used,
+                   acceptance=spec["accepted"] / judged if judged else 0.0,
+                   draft_per_guess=draft / proposed if proposed else 0.0,
+                   verify_per_pass=spec["verify_s"] / spec["verify_passes"] if spec["verify_passes"] else 0.0,
+                   catch_up_seconds=fixed + (draft if not proposed else 0.0))
 
 
 # -- choosing K ------------------------------------------------------------------------
@@ -185,15 +247,48 @@ def predicted_speedup(a: float, k: int, draft_step: float, verify: float, step: 
     return expected_tokens(a, k) * step / (k * draft_step + verify)
 
 
+def predict(step: float, *, plain_steps: int = 0, probe_tokens: int = 0, probe_seconds: float = 0.0,
+            k_used: dict | None = None, acceptance: float = 0.0, draft_per_guess: float = 0.0,
+            verify_per_pass: float = 0.0, catch_up_seconds: float = 0.0) -> dict:
+    """The speed-up over plain decoding the standard formula predicts for a whole request,
+    with what a steady-state formula leaves out:
+
+        tokens  = plain steps + probe tokens + Σ_K passes_K · (1 − a^(K+1)) / (1 − a)
+        seconds = plain steps · s + probe seconds + Σ_K passes_K · (K · c + v)
+                  + catch-up (the draft's prefill, its catch-ups after plain steps, its dummy step)
+        speed-up = tokens · s / seconds
+
+    a: the acceptance per judged guess, c: the draft's steady cost per guess (its steps and
+    the 1–2 token catch-up of each pass), v: a verify pass, s: a plain step. Returns the terms
+    and the speed-up (1.0 for a request with no tokens after the first)."""
+    k_used = k_used or {}
+    passes = sum(k_used.values())
+    guesses = sum(k * n for k, n in k_used.items())
+    tokens = plain_steps + probe_tokens + sum(n * expected_tokens(acceptance, k) for k, n in k_used.items())
+    seconds = (plain_steps * step + probe_seconds + guesses * draft_per_guess + passes * verify_per_pass
+               + catch_up_seconds)
+    return {"speedup": tokens * step / seconds if seconds > 0 else 1.0, "step_s": step, "acceptance": acceptance,
+            "mean_k": guesses / passes if passes else 0.0, "draft_s_per_guess": draft_per_guess,
+            "verify_s_per_pass": verify_per_pass, "catch_up_s": catch_up_seconds, "expected_tokens": tokens,
+            "seconds": seconds}
+
+
 class Adaptive:
     """Chooses the number of guesses for the next pass from measured costs (module doc)."""
 
-    def __init__(self, fixed: int | None = None, most: int = ADAPTIVE_MAX, probes: tuple[int, ...] = PROBES):
+    def __init__(self, fixed: int | None = None, most: int = ADAPTIVE_MAX, probes: tuple[int, ...] = PROBES,
+                 prior: tuple[float, float] = LOOKUP_PRIOR):
         self.fixed, self.most, self.probes = fixed, most, probes
         self.step: float | None = None  # plain decode step, seconds
         self.draft: float | None = None  # one draft token, seconds
         self.verify: dict[int, float] = {}  # guesses -> verify pass seconds
-        self.kept, self.judged = 0.5, 1.0  # acceptance counts (a prior of 1/2, worth one judged guess)
+        # Acceptance counts: a Beta prior's pseudo-counts (kept, judged), plus every pass's, decayed.
+        self.kept, self.judged = prior
+        self.evidence = 0.0  # judged guesses seen (decayed like the counts): 0 = the prior alone
+        # Drafting is chosen where it is expected MARGIN faster than plain steps; once drafting,
+        # kept while faster at all (`hold`, the Speculator's for a draft: a plain step makes a
+        # draft fall behind, and catching up costs).
+        self.hold = MARGIN
         self.plain_run = 0
         self.retry = RETRY_FIRST
         self.probing = False  # the last choose() was a probe (a first measurement or a retry), not a paying K
@@ -239,11 +334,11 @@ class Adaptive:
                 self.probing = True
                 return k
         k = self.best()
-        if self.full >= k and self.full < self.most:
+        if self.full >= k and self.full < self.most and self.rate(self.full + 1) > self.hold * self.rate(0):
             # Every guess of the last pass was kept: try one more, so the verify-cost line is measured
             # beyond the probes (two noisy points can make a steep line that keeps K at 1 forever).
             k = self.full + 1
-        if self.rate(k) > MARGIN * self.rate(0):
+        if self.rate(k) > self.hold * self.rate(0):
             self.retry = RETRY_FIRST
             return k
         if self.plain_run >= self.retry:  # look again: the text may have changed (the wait
@@ -270,43 +365,54 @@ class Adaptive:
         self.record_verify(k, verify_seconds)
         self.kept = DECAY * self.kept + kept
         self.judged = DECAY * self.judged + kept + (1 if rejected else 0)
+        self.evidence = DECAY * self.evidence + kept + (1 if rejected else 0)
 
     def record_verify(self, k: int, seconds: float) -> None:
         old = self.verify.get(k)
         self.verify[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def best_case(self, optimistic: bool = False) -> tuple[float, int]:
-        """(speed-up over plain steps, K) with every guess kept, at the measured costs (or,
-        optimistic, with every verify pass as cheap as one plain step, its lower bound):
-        below 1 no acceptance can make drafting pay."""
+    def best_case(self, optimistic: bool = False, acceptance: float = 1.0) -> tuple[float, int]:
+        """(speed-up over plain steps, K) at the given acceptance (default: every guess kept)
+        and the measured costs (or, optimistic, with every verify pass as cheap as one plain
+        step, its lower bound): below 1, drafting at that acceptance cannot pay."""
         step, c = self.step or 0.0, self.draft or 0.0
 
         def verify(k: int) -> float:
             return step if optimistic else self.verify_cost(k)
 
-        return max((expected_tokens(1.0, k) * step / (k * c + verify(k)), k) for k in range(1, self.most + 1))
+        return max((expected_tokens(acceptance, k) * step / (k * c + verify(k)), k) for k in range(1, self.most + 1))
 
     def unpaid(self, tokens_left: int | None = None, catch_up: tuple[int, float] = (0, 0.0),
-               optimistic: bool = False) -> str | None:
-        """The one-line reason drafting cannot pay at any K (module doc), or None: at best
-        (every guess kept) a pass is slower than plain steps, or what the best case saves over
-        the `tokens_left` does not repay catch_up = (tokens, seconds), the draft's prefill of
-        the text it lacks. optimistic: before any verify pass is measured, each taken as one
-        plain step (if even that does not pay, no probe is needed to know)."""
+               optimistic: bool = False, acceptance: float = 1.0, margin: float = 1.0) -> str | None:
+        """The one-line reason drafting does not pay at any K (module doc), or None: at the
+        `acceptance` (the Speculator's: the prior's mean before any draft pass, then the
+        posterior's) a pass is slower than plain steps, or what drafting saves over the
+        `tokens_left` does not repay catch_up = (tokens, seconds), the draft's prefill of the
+        text it lacks. optimistic: before any verify pass is measured, each taken as one plain
+        step (if even that does not pay, no probe is needed to know). margin: the speed-up
+        drafting must be expected to beat (MARGIN to start drafting, 1 to go on)."""
         if self.step is None or (not optimistic and any(k not in self.verify for k in self.probes if k <= self.most)):
             return None
-        best, k = self.best_case(optimistic)
+        best, k = self.best_case(optimistic, acceptance)
         n, seconds = catch_up
         saved = (tokens_left or 0) * self.step * (1.0 - 1.0 / best) if best > 1.0 else 0.0
-        if best > 1.0 and (tokens_left is None or saved >= seconds):
+        if best > margin and (tokens_left is None or saved >= seconds):
             return None
         v = 1.0 if optimistic else self.verify_cost(k) / self.step
+        if acceptance >= 1.0:
+            at = "at best, every proposal kept"
+        elif self.evidence < 0.5:
+            at = f"at the expected {100 * acceptance:.0f}% acceptance"
+        else:
+            at = f"at {100 * acceptance:.0f}% acceptance, measured over {self.evidence:.0f} recent guesses"
         words = (f"drafting off: a draft step costs {(self.draft or 0.0) / self.step:.2f} of a target step, a verify "
-                 f"pass of {k + 1} {'at least ' if optimistic else ''}{v:.2f} steps (at best, every proposal kept, "
+                 f"pass of {k + 1} {'at least ' if optimistic else ''}{v:.2f} steps ({at}, "
                  f"{best:.2f}x the model alone")
-        if best > 1.0 and tokens_left is not None:
+        if best > margin and tokens_left is not None:
             words += (f", saving ~{saved:.1f} s over {tokens_left} tokens, less than the draft's prefill of {n} "
                       f"tokens, ~{seconds:.1f} s")
+        elif best > 1.0:
+            words += f", under the {margin:.2f}x drafting must be expected to beat"
         return words + ")"
 
 
@@ -373,6 +479,10 @@ class Draft:
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds
         self.measured_step: float | None = None  # one step on a short dummy cache (step_seconds)
         self.last_catch_up = 0  # tokens the last propose call fed before its first guess
+        self.last_catch_up_seconds = 0.0  # and the time that took
+        # The acceptance counts (kept, judged, evidence) the next request's plan starts from:
+        # the prior, then what this draft's passes accepted (Speculator keeps them up to date).
+        self.acceptance_counts: tuple[float, float, float] = (*DRAFT_PRIOR, 0.0)
 
     def reset(self) -> None:
         self.cache, self.ids = None, []
@@ -426,7 +536,9 @@ class Draft:
         self.cache.truncate(reused)
         vocab = sampler.vocab_size
         self.last_catch_up = len(seq) - reused
+        t = time.perf_counter()
         logits = self._logits(seq[reused:])
+        self.last_catch_up_seconds = time.perf_counter() - t
         self.ids = list(seq)
         greedy = sampler.params[row].greedy
         guesses: list[int] = []
@@ -532,9 +644,12 @@ class Speculator:
 
     def __init__(self, proposer, fixed_k: int | None):
         self.proposer = proposer
-        self.adaptive = Adaptive(fixed_k, probes=CHEAP_PROBES)
+        drafted = isinstance(proposer, Draft)
+        counts = proposer.acceptance_counts if drafted else (*LOOKUP_PRIOR, 0.0)
+        self.adaptive = Adaptive(fixed_k, probes=CHEAP_PROBES, prior=counts[:2])
+        self.adaptive.evidence = counts[2]
         self.stats = SpeculationStats(proposer.name, fixed_k=fixed_k)
-        self.planning = fixed_k is None and isinstance(proposer, Draft)
+        self.planning = fixed_k is None and drafted
         self.free = Lookup() if self.planning else None
         self.notice: str | None = None  # set once when drafting turns off (decode yields it)
         self.prefill_per_token = 0.0  # the target's prefill seconds per prompt token (decode sets it)
@@ -586,8 +701,10 @@ class Speculator:
             if self.adaptive.draft is None:  # the draft's step, timed once; then the bound needing no probe
                 t = time.perf_counter()
                 self.adaptive.draft = self.proposer.step_seconds()
-                s.draft_seconds += time.perf_counter() - t
-                if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq), optimistic=True)) is not None:
+                seconds = time.perf_counter() - t
+                s.draft_seconds, s.plan_seconds = s.draft_seconds + seconds, s.plan_seconds + seconds
+                if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq), optimistic=True,
+                                                   acceptance=self.adaptive.acceptance, margin=MARGIN)) is not None:
                     self.planning, self.free = False, None
                     self._stop(reason)
                     return self._plain(engine, seq, cache, sampler)
@@ -598,11 +715,14 @@ class Speculator:
                 self.adaptive.record_verify(len(guesses), seconds)
                 s.passes, s.tokens = s.passes + 1, s.tokens + len(tokens)
                 s.probe_passes, s.probe_seconds = s.probe_passes + 1, s.probe_seconds + seconds
+                s.probe_tokens += len(tokens)
                 return tokens, seconds
             self.planning, self.free = False, None
-            if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq))) is not None:
+            if (reason := self.adaptive.unpaid(room + 1, self._catch_up(seq), acceptance=self.adaptive.acceptance,
+                                               margin=MARGIN)) is not None:
                 self._stop(reason)
                 return self._plain(engine, seq, cache, sampler)
+            self.adaptive.hold = 1.0  # drafting: kept while it is expected faster at all
             k = min(self.adaptive.choose(), room)
         guesses, q, draft_seconds = [], None, 0.0
         t0 = time.perf_counter()
@@ -616,17 +736,27 @@ class Speculator:
         if not guesses:
             return self._plain(engine, seq, cache, sampler, draft_seconds)
         tokens, kept, verify_seconds = self._verify(engine, seq, cache, sampler, guesses, q)
-        if isinstance(self.proposer, Draft):
-            self.proposer.rollback(seq + tokens)
         drafted = isinstance(self.proposer, Draft)
+        steady = not drafted or self.proposer.last_catch_up <= STEADY_CATCH_UP
+        if drafted:
+            self.proposer.rollback(seq + tokens)
+            if not steady:  # a prefill, or a catch-up after plain steps: its own term of the prediction
+                s.catch_up_seconds += self.proposer.last_catch_up_seconds
+                s.catch_up_tokens += self.proposer.last_catch_up
         self.adaptive.record_pass(len(guesses), kept, kept < len(guesses), draft_seconds, verify_seconds,
-                                  steady=not drafted or self.proposer.last_catch_up <= STEADY_CATCH_UP)
-        s.proposed, s.accepted = s.proposed + len(guesses), s.accepted + kept
+                                  steady=steady)
+        s.proposed, s.accepted, s.rejected = s.proposed + len(guesses), s.accepted + kept, \
+            s.rejected + (kept < len(guesses))
         s.passes, s.verify_passes, s.tokens = s.passes + 1, s.verify_passes + 1, s.tokens + len(tokens)
         s.draft_seconds, s.verify_seconds = s.draft_seconds + draft_seconds, s.verify_seconds + verify_seconds
         s.k_used[len(guesses)] = s.k_used.get(len(guesses), 0) + 1
-        if self.adaptive.fixed is None and drafted:
-            if (reason := self.adaptive.unpaid(room + 1)) is not None:
+        if drafted:
+            a = self.adaptive
+            self.proposer.acceptance_counts = (a.kept, a.judged, a.evidence)  # the next request's prior
+            # The prefill is paid: drafting goes on while the posterior acceptance says the
+            # passes to come are faster than plain steps, and stops for good once it is not
+            # (a plain step would leave the draft behind; no evidence comes while not drafting).
+            if a.fixed is None and (reason := a.unpaid(room + 1, acceptance=a.acceptance)) is not None:
                 self._stop(reason)
         return tokens, draft_seconds + verify_seconds
 

@@ -13,12 +13,13 @@ and 0.5B Q4_K_M, assembled in ~/.cache/twice/gguf/):
    lookup's case), code writing (the draft's case) and prose; the tokens must be equal;
    --rounds paired rounds (plain between the lookup and the draft run, which swap sides each
    round), medians;
-3. the speed-up the standard formula predicts beside the measured one: per-position
-   acceptance a (solved from the mean accepted run: run = a + a² + ... + a^K), draft cost
-   per token c, verify cost v(K) and plain step s measured in the run;
-   predicted = tokens / (plain passes·s + probes' time + verify passes·(K·c + v(K))) ÷ (1 / s),
-   with tokens = plain passes + probe passes + verify passes·(1 − a^(K+1)) / (1 − a), K the
-   mean proposals (a draft that was never run: its dummy step's time counts);
+3. the speed-up the standard formula predicts beside the measured one (core.speculative.
+   predict_run, what --json's `predicted_speedup` says, here against the plain run's median
+   step s): acceptance a per judged guess, the draft's steady cost per guess c, the mean
+   verify pass v, the draft's prefill / long catch-ups / dummy step apart;
+   predicted = tokens · s / (plain steps·s + probes' time + Σ_K passes_K·(K·c + v) + catch-up),
+   tokens = plain steps + probe tokens + Σ_K passes_K·(1 − a^(K+1)) / (1 − a); the row prints
+   the engine's own prediction (against its own plain steps) too;
 4. llama.cpp's prompt-lookup mode (llama_cpp.llama_speculative.LlamaPromptLookupDecoding,
    num_pred_tokens --peer-pred-tokens, n-gram 2) beside its own plain greedy decode, on the
    same GGUF, threads and prompt token ids (scripts/peer_lookup.py, run by --peer-python).
@@ -112,30 +113,13 @@ def verify_costs(model, config, reps: int) -> dict:
     return out
 
 
-def solve_acceptance(run: float, k: float) -> float:
-    """a with a + a² + ... + a^k = run (bisection; k may be fractional: a mean)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        s = sum(a ** i for i in range(1, int(k) + 1)) + (k - int(k)) * a ** (int(k) + 1)
-        lo, hi = (a, hi) if s < run else (lo, a)
-    return (lo + hi) / 2
-
-
 def predicted(spec: dict, step: float) -> float | None:
-    from twice.core.speculative import expected_tokens
+    """The speed-up core.speculative.predict_run gives from the run's measured acceptance, draft,
+    verify, prefill and catch-up costs, judged against the plain run's decode step."""
+    from twice.core.speculative import predict_run
 
-    probes = spec.get("probe_passes", 0)  # the plan's verify passes of free guesses: ~1 token each, as measured
-    vp, plain = spec["verify_passes"], spec["target_passes"] - spec["verify_passes"] - probes
-    extra = spec.get("probe_s", 0.0) + (spec["draft_s"] if not spec["proposals"] else 0.0)
-    if not vp:
-        return (plain + probes) * step / (plain * step + extra) if plain + probes else 1.0
-    k = spec["proposals"] / vp
-    a = solve_acceptance(spec["mean_accepted_run"], k)
-    c = spec["draft_s"] / spec["proposals"] if spec["proposals"] else 0.0
-    v = spec["verify_s"] / vp
-    tokens = plain + probes + vp * expected_tokens(a, round(k))
-    return tokens / (plain * step + extra + vp * (k * c + v)) * step
+    p = predict_run(spec, step)
+    return p["speedup"] if p else None
 
 
 def peer_lookup(args, gguf: str, prompts: dict) -> dict | None:
@@ -221,13 +205,15 @@ def run(args) -> dict:
                                       for x, p in zip(runs, plains)],
                    "predicted_speedup": predicted(spec, step),
                    "same_tokens": all(x.token_ids == plains[0].token_ids for x in runs + plains),
-                   "speculation": spec}
+                   "speculation": spec, "load_average": os.getloadavg()}
             rows.append(row)
             off = f"  [{spec['drafting_off']}]" if spec.get("drafting_off") else ""
             print(f"{name:10s} {mode:6s} plain {row['plain_tok_s']:6.1f} tok/s  {mode} {row['tok_s']:6.1f} tok/s  "
-                  f"x{row['speedup']:.2f} (predicted x{row['predicted_speedup']:.2f})  accepted "
+                  f"x{row['speedup']:.2f} (predicted x{row['predicted_speedup']:.2f}, engine's "
+                  f"x{spec['predicted_speedup'] or 0:.2f})  accepted "
                   f"{100 * spec['acceptance_rate']:.0f}%  {spec['tokens_per_target_pass']:.2f} tok/pass  "
-                  f"K used {spec['k_used']}  same tokens {row['same_tokens']}{off}", flush=True)
+                  f"K used {spec['k_used']}  same tokens {row['same_tokens']}  load "
+                  f"{row['load_average'][0]:.2f}{off}", flush=True)
     report["rows"] = rows
     if "llama.cpp" in args.modes.split(","):
         peer = peer_lookup(args, resolve(args.target), prompt_ids)
