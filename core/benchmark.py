@@ -515,10 +515,13 @@ def measure_compute_peak(model: CausalLM) -> dict | None:
     if first.device.type != "cpu":
         return None
     threads = torch.get_num_threads()
-    peak = kernels.peak_macs(first.dtype, threads)
+    # Block-stored weights multiply int8 activations with integer dot products: their peak.
+    dtype = torch.int8 if any(isinstance(m, BlockLinear) for m in model.modules()) else first.dtype
+    peak = kernels.peak_macs(dtype, threads)
     if peak is None:
         return None
-    return {"macs_per_s": peak, "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)), "threads": threads,
+    return {"macs_per_s": peak, "dtype": "int8" if dtype is torch.int8 else DTYPE_NAMES.get(dtype, str(dtype)),
+            "threads": threads,
             "device": "cpu"}
 
 

@@ -64,3 +64,21 @@ def test_bench_rejects_unknown_names(capsys):
     assert r.code == 2 and "unknown shape 'nope'" in r.err
     r = run_inprocess(["bench", "--shape", "tiny", "-w", "everything"], capsys)
     assert r.code == 2 and "unknown workload 'everything'" in r.err
+
+
+def test_block_weights_are_measured_against_the_int8_peak(model_dirs):
+    """A quantized model's batches run integer dot products: bench's compute roofline for it is
+    the u8·s8 peak (peak.c kind 2), a float model's the float one."""
+    import torch
+
+    from twice.core import benchmark, kernels
+    from twice.weights.load import load
+
+    folder = str(model_dirs("llama"))
+    quantized = benchmark.measure_compute_peak(load(folder, device="cpu", dtype="float32", weights="q8_0").model)
+    plain = benchmark.measure_compute_peak(load(folder, device="cpu", dtype="float32").model)
+    if kernels.peak_macs(torch.int8, 1) is None:  # no AVX2 here: nothing to measure
+        assert quantized is None
+        return
+    assert quantized["dtype"] == "int8" and quantized["macs_per_s"] > 1e9
+    assert plain["dtype"] == "float32"

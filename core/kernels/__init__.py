@@ -174,14 +174,18 @@ def available() -> bool:
     return library() is not None
 
 
+_PEAK_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
 def peak_macs(dtype: torch.dtype, threads: int) -> float | None:
     """This CPU's multiply-adds per second in `dtype` on `threads` threads, measured
     (peak.c, the best of 3 runs of ~0.03 s: the machine may be shared); None where the
-    kernels did not build or have no such instructions."""
+    kernels did not build or have no such instructions. torch.int8: the quantized kernels'
+    u8·s8 integer dot product (block weights against int8 activations)."""
     lib = library()
-    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+    if lib is None or dtype not in _PEAK_KINDS:
         return None
-    value = max(lib.peak_macs(int(dtype == torch.bfloat16), threads, 10_000_000) for _ in range(3))
+    value = max(lib.peak_macs(_PEAK_KINDS[dtype], threads, 10_000_000) for _ in range(3))
     return value or None
 
 
