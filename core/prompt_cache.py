@@ -119,6 +119,7 @@ def fingerprint(model: torch.nn.Module, tokenizer=None) -> str:
     shard = getattr(model, "shard", None)
     h.update(f"shard {getattr(shard, 'rank', 0)}/{getattr(shard, 'world', 1)}".encode())
     seen = set()
+    modules = dict(model.named_modules())
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if not isinstance(t, torch.Tensor) or t.data_ptr() in seen:
             continue
@@ -126,8 +127,10 @@ def fingerprint(model: torch.nn.Module, tokenizer=None) -> str:
         h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
         flat = t.detach().reshape(-1)
         n = flat.numel()
+        owner, _, leaf = name.rpartition(".")  # blocks: sampled as stored, whatever their layout (qweight)
+        stored = getattr(modules.get(owner), "stored_bytes", None)
         for begin in (0, max(0, n // 2 - 16), max(0, n - 32)):
-            piece = flat[begin:begin + 32].contiguous()
+            piece = (stored(leaf, begin, begin + 32) if stored else flat[begin:begin + 32]).contiguous()
             if piece.numel():
                 h.update(piece.view(torch.uint8).cpu().numpy().tobytes())
     hf = getattr(tokenizer, "hf", None)

@@ -13,6 +13,12 @@ needs instead of reading `.weight` as a float tensor:
 * the native decode step asks for each part's pointer and type id (native_decode.py);
 * sizes and readouts ask for `nbytes` and `formats()`.
 
+On the CPU with the native kernels, the 32-value types' parts are rewritten once after loading
+into the interleaved 8-row layout those kernels multiply fastest (`interleave_weights`,
+core/quant/interleave.py): the part's codec then says so (ggml_type + X8, the same name), and
+every reader here (dequantize, rows, products) honours it. TWICE_INTERLEAVE=0 keeps the rows
+as stored.
+
 The blocks live in the owning module's buffers (so .to(), state_dict and the huge-page
 placement see them); `BlockWeight` is a cheap view built on each access.
 """
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .quant import Codec, codec, dequantize
+from .quant import Codec, codec, interleave as x8
 
 # Rows dequantized at once in the float product: bounds the temporary to a few MiB per
 # call however large the matrix (a 150k-row vocabulary head would otherwise need ~1 GB).
@@ -94,9 +100,17 @@ class BlockWeight:
         for p in self.parts:
             inside = (flat >= row) & (flat < row + p.rows)
             if bool(inside.any()):
-                picked = p.data.index_select(0, flat[inside] - row)
-                out[inside] = _dequantize(Part(p.codec, picked.shape[0], picked), 0, picked.shape[0],
-                                          self.in_features).to(dtype)
+                wanted = flat[inside] - row
+                if p.codec.rows_per_group == 1:
+                    picked = p.data.index_select(0, wanted)
+                    out[inside] = _dequantize(Part(p.codec, picked.shape[0], picked), 0, picked.shape[0],
+                                              self.in_features).to(dtype)
+                else:  # interleaved: the groups holding the rows, then the rows within them
+                    g = p.codec.rows_per_group
+                    groups, where = torch.unique(wanted // g, return_inverse=True)
+                    picked = p.data.view(p.rows // g, -1).index_select(0, groups).view(-1, p.data.shape[1])
+                    values = _dequantize(Part(p.codec, picked.shape[0], picked), 0, picked.shape[0], self.in_features)
+                    out[inside] = values[where * g + wanted % g].to(dtype)
             row += p.rows
         return out.view(*ids.shape, self.in_features)
 
@@ -111,13 +125,18 @@ class BlockWeight:
 
 def _dequantize(p: Part, start: int, stop: int, n: int) -> torch.Tensor:
     """Rows [start, stop) of one part as float32: the native dequantizer where it built
-    (bit-exact with the reference), else core/quant's torch reference."""
-    data = p.data[start:stop]
-    if data.device.type == "cpu":
-        got = kernels.dequantize_rows(data.contiguous(), p.codec.ggml_type, n)
+    (bit-exact with the reference), else core/quant's torch reference (an interleaved part:
+    the whole groups the rows fall in, un-interleaved)."""
+    if p.data.device.type == "cpu":
+        if p.codec.rows_per_group == 1:
+            got = kernels.dequantize_rows(p.data[start:stop].contiguous(), p.codec.ggml_type, n)
+        else:
+            got = kernels.dequantize_rows(p.data.contiguous(), p.codec.ggml_type, n, start=start, stop=stop)
         if got is not None:
             return got
-    return dequantize(data, p.codec.name)
+    g = p.codec.rows_per_group
+    lo, hi = start // g * g, -(-stop // g) * g
+    return x8.dequantize_part(p.data[lo:hi], p.codec)[start - lo: stop - lo]
 
 
 def _part_product(x: torch.Tensor, p: Part, n: int) -> torch.Tensor:
@@ -174,8 +193,41 @@ class _Blocks(torch.nn.Module):
 
         buffer, first = self.part_for_row(row)
         part = self.codecs[int(buffer.removeprefix("blocks"))]
+        if part.rows_per_group != 1:
+            raise RuntimeError("store_rows into an interleaved part (interleave after loading, not before)")
         dest = getattr(self, buffer)[row - first: row - first + values.shape[0]]
         dest.copy_(quantize(values.to(torch.float32).cpu().contiguous(), part.name).view(dest.shape).to(dest.device))
+
+    def interleave(self) -> int:
+        """Rewrite, in place, each part of a 32-value type with whole groups of 8 rows into the
+        interleaved 8-row layout (core/quant/interleave.py) and record it in the part's codec;
+        the others stay as stored. Returns how many parts were rewritten. CPU only (the layout
+        is the native kernels')."""
+        done = 0
+        for i, c in enumerate(self.codecs):
+            buffer = getattr(self, f"blocks{i}")
+            if buffer.device.type != "cpu" or not buffer.is_contiguous() or not x8.eligible(c, buffer.shape[0]):
+                continue
+            with torch.no_grad():
+                buffer.copy_(x8.interleave(buffer, c.name))  # one tensor's temporary at a time
+            self.codecs[i] = x8.interleaved(c)
+            done += 1
+        return done
+
+    def stored_bytes(self, buffer: str, begin: int, end: int) -> torch.Tensor:
+        """Bytes [begin, end) of buffer `buffer` ("blocks0") as its rows are stored in the file,
+        whatever its layout now (un-interleaving only the groups they fall in): what a
+        fingerprint of the weights samples, so that it does not depend on the layout."""
+        flat = getattr(self, buffer).detach().reshape(-1)
+        if not (buffer.startswith("blocks") and buffer[6:].isdigit()):  # a bias
+            return flat[begin:end]
+        c = self.codecs[int(buffer[6:])]
+        if c.rows_per_group == 1:
+            return flat[begin:end]
+        group = c.rows_per_group * c.row_bytes(self.in_features)
+        lo, hi = begin // group * group, -(-end // group) * group
+        rows = x8.deinterleave(flat[lo:hi].view(-1, c.row_bytes(self.in_features)), c.name)
+        return rows.reshape(-1)[begin - lo:end - lo]
 
     def part_for_row(self, row: int) -> tuple[str, int]:
         """(buffer name, first row) of the part holding output row `row`."""
@@ -218,6 +270,28 @@ class BlockEmbedding(_Blocks):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids, self.dtype)
+
+
+def interleave_weights(model: torch.nn.Module) -> int:
+    """Rewrite `model`'s block-stored matrices of the 32-value types into the interleaved 8-row
+    layout of the native kernels (_Blocks.interleave), once, after loading (and after a
+    tensor-parallel split: each rank's own rows): on the CPU, where the kernels built, unless
+    TWICE_INTERLEAVE=0 (the one place it is read: A/B benchmarks and tests keep the rows as
+    stored). Stacked experts stay as stored (their rows are sliced per expert). Returns the
+    parts rewritten."""
+    import os
+
+    from .experts import Experts
+
+    if os.environ.get("TWICE_INTERLEAVE", "1") == "0":
+        return 0
+    skip = {id(m) for e in model.modules() if isinstance(e, Experts) for m in e.modules()}
+    todo = [m for m in model.modules() if isinstance(m, _Blocks) and id(m) not in skip
+            and any(x8.eligible(c, getattr(m, f"blocks{i}").shape[0]) and getattr(m, f"blocks{i}").device.type == "cpu"
+                    for i, c in enumerate(m.codecs))]
+    if not todo or not kernels.available():
+        return 0
+    return sum(m.interleave() for m in todo)
 
 
 def store_as_blocks(model: torch.nn.Module, layouts: dict[str, list[tuple[str, int]]], device) -> None:

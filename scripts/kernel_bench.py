@@ -22,6 +22,13 @@ in paired alternating rounds (the machine's load moves both alike), printing the
     python scripts/kernel_bench.py --quant Q4_K,Q6_K,Q5_0,Q8_0 --quant-shapes 1536x8960,8960x1536 \
         --threads 1 --rows 1,4,16 --cpu-time --against eca8693
 
+--x8 times the 32-value types' interleaved 8-row layout (core/quant/interleave.py) against
+their rows as stored, in the same build, paired alternating rounds; "per row" is the call's
+time over rows × the one-row call's (1/that is the batch's speedup per row):
+
+    python scripts/kernel_bench.py --quant Q4_1,Q8_0,Q5_0 --quant-shapes 576x1536,1536x576,49152x576,896x4864 \
+        --threads 1 --rows 1,4,16 --cpu-time --x8 --rounds 5
+
 Needs a C compiler (as the kernels do); never run in CI.
 """
 
@@ -160,6 +167,56 @@ def paired_quant(lib, other, ggml_type: int, out: int, n: int, rows: int, thread
     return best[id(lib)], best[id(other)]
 
 
+def paired_types(lib, types: tuple[int, int], out: int, n: int, rows: int, threads: int, rounds: int,
+                 clock=time.perf_counter) -> tuple[float, float]:
+    """Best seconds per q_gemm call of two type ids of one build (a type and its x8 layout:
+    the same row bytes, random, so the same speed whatever their values), alternating rounds."""
+    row_bytes = lib.q_row_bytes(types[0], n)
+    copies = max(1, (256 << 20) // (out * row_bytes))
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    x = torch.randn(rows, n)
+    xq = torch.empty(rows * lib.q_act_bytes(types[0], n), dtype=torch.uint8)
+    lib.q_prepare(types[0], x.data_ptr(), n, rows, xq.data_ptr())
+    y = torch.empty(rows, out)
+    best = [float("inf"), float("inf")]
+    for t in types:
+        for w in ws[:3]:
+            lib.q_gemm(t, w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
+    for _ in range(rounds):
+        for i in (1, 0):
+            t0 = clock()
+            for w in ws:
+                lib.q_gemm(types[i], w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
+            best[i] = min(best[i], (clock() - t0) / len(ws))
+    return best[0], best[1]
+
+
+def x8_main(args, lib, clock) -> None:
+    from twice.core import quant
+    from twice.core.quant import interleave
+
+    shapes = [tuple(map(int, s.lower().split("x"))) for s in args.quant_shapes.split(",")]
+    print(f"x8 (interleaved 8 rows) against rows as stored: paired alternating rounds ({args.rounds}); "
+          "per row = time / (rows × the 1-row time)")
+    print(f"{'type':6} {'out × in':>13} {'rows':>4} {'x8':>9} {'stored':>9} {'speedup':>7} {'GMAC/s':>7} "
+          f"{'per row x8':>10} {'stored':>7}")
+    for name in args.quant.split(","):
+        c = quant.codec(name)
+        for out, n in shapes:
+            if c.name not in interleave.TYPES or out % 8 or lib.q_row_bytes(c.ggml_type, n) < 0:
+                print(f"{c.name:6} {out:>6} × {n:<5}  (no x8 layout for this type or shape: skipped)")
+                continue
+            base = None
+            for rows in map(int, args.rows.split(",")):
+                s, then = paired_types(lib, (c.ggml_type + interleave.X8, c.ggml_type), out, n, rows, args.threads,
+                                       args.rounds, clock)
+                base = base or (s, then)
+                print(f"{c.name:6} {out:>6} × {n:<5} {rows:>4} {s * 1e3:>7.3f}ms {then * 1e3:>7.3f}ms "
+                      f"{then / s:>6.2f}x {out * n * rows / s / 1e9:>7.1f} {s / (rows * base[0]):>10.3f} "
+                      f"{then / (rows * base[1]):>7.3f}", flush=True)
+
+
 def quant_main(args, lib) -> None:
     from twice.core import quant
 
@@ -172,6 +229,9 @@ def quant_main(args, lib) -> None:
     print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)"
           + (", thread CPU time" if args.cpu_time else "") + f"; load average {os.getloadavg()[0]:.1f}")
     print(f"read bandwidth (twice bench's roofline, torch sum): {read_bandwidth():.1f} GB/s")
+    if args.x8:
+        x8_main(args, lib, clock)
+        return
     other = build_qdot_at(args.against) if args.against else None
     if other is not None:
         print(f"against {args.against}: paired alternating rounds ({args.rounds}); 'then' = {args.against}'s time")
@@ -208,7 +268,9 @@ def main() -> None:
     p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
     p.add_argument("--quant-shapes", default="576x1536,896x4864")
     p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side")
-    p.add_argument("--rounds", type=int, default=5, help="with --against: paired rounds")
+    p.add_argument("--rounds", type=int, default=5, help="with --against or --x8: paired rounds")
+    p.add_argument("--x8", action="store_true",
+                   help="with --quant: the interleaved 8-row layout against the rows as stored (32-value types)")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --quant --threads 1: time the thread's CPU seconds (a busy shared machine)")
     args = p.parse_args()

@@ -251,13 +251,14 @@ def test_quantize_flag_cli(capsys, model_dirs):
     assert "--dequantize" in line
 
 
-def test_tensor_parallel_slices_are_whole_blocks(tmp_path, capsys, wide_dirs):
+def test_tensor_parallel_slices_are_whole_blocks(tmp_path, capsys, wide_dirs, monkeypatch):
     """Each rank of --tp 2 holds exactly its rows (q/k/v, gate/up) and its whole column blocks
     (o_proj, down_proj) of the blocks one rank holds. (Loading needs no process group; the
     forward pass with its all-reduce is test_parallel.py's, under torchrun.)"""
     from twice.core.parallel import Shard
 
     path = _quantized(tmp_path, capsys, wide_dirs("llama"), "q8_0")
+    monkeypatch.setenv("TWICE_INTERLEAVE", "0")  # the blocks as stored (test_rows8: interleaved after the split)
     whole = dict(load(str(path)).model.named_buffers())
     ranks = [dict(load(str(path), shard=Shard(rank=r, world=2)).model.named_buffers()) for r in range(2)]
     o, down = "layers.0.self_attn.o_proj.blocks0", "layers.1.mlp.down_proj.blocks0"

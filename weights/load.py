@@ -14,6 +14,7 @@ from twice.core.errors import DeviceError, TokenizerError, UnsupportedModelError
 from twice.core.model import CausalLM
 from twice.core.models import build_model
 from twice.core.parallel import SINGLE, Shard
+from twice.core.qweight import interleave_weights
 
 from .checkpoint import checkpoint_files, load_into
 from .files import GenerationDefaults, read_config, read_generation_config
@@ -151,6 +152,8 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
         raise DeviceError(f"out of memory loading {folder.name} on {dev} in {dtype}; try a smaller dtype or the cpu") from None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    else:  # the 32-value types' blocks into the native kernels' interleaved rows (each rank's own)
+        interleave_weights(model)
     t3 = time.perf_counter()
     name = ref or folder.name
     return LoadedModel(name, folder, config, model, tokenizer, generation, dev, dt,

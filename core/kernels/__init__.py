@@ -107,6 +107,8 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.q_gemm_simd.argtypes = [ctypes.c_int]
     handle.q_dequantize.restype = None
     handle.q_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p, ctypes.c_int]
+    handle.q_dequantize_at.restype = None
+    handle.q_dequantize_at.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int]
     return handle
 
 
@@ -255,15 +257,21 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device)
 
 
+# A 32-value type's ggml id + X8: its rows in the interleaved 8-row layout (core/quant/interleave.py).
+X8 = 256
+
+
 def _quant_shapes(lib, data: torch.Tensor, ggml_type: int, n: int) -> int:
     """The row bytes of `data` ([rows, row_bytes] uint8, contiguous, on the CPU) for rows
-    of `n` values of `ggml_type`; ValueError where they disagree."""
+    of `n` values of `ggml_type` (an interleaved type: whole groups of 8 rows); ValueError
+    where they disagree."""
     row_bytes = lib.q_row_bytes(int(ggml_type), int(n))
     if row_bytes < 0:
         raise ValueError(f"ggml type {ggml_type} has no native kernel for rows of {n} values")
     if not (data.dtype == torch.uint8 and data.dim() == 2 and data.device.type == "cpu" and data.is_contiguous()
-            and data.shape[1] == row_bytes):
-        raise ValueError(f"quantized weight must be contiguous uint8 [rows, {row_bytes}] on the CPU, "
+            and data.shape[1] == row_bytes and (ggml_type < X8 or data.shape[0] % 8 == 0)):
+        raise ValueError(f"quantized weight must be contiguous uint8 [rows, {row_bytes}] on the CPU"
+                         f"{' (whole groups of 8 rows)' if ggml_type >= X8 else ''}, "
                          f"got {data.dtype} {tuple(data.shape)} on {data.device.type}")
     return row_bytes
 
@@ -294,16 +302,22 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, ggml_type: int, *, lib=Non
     return y
 
 
-def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None) -> torch.Tensor | None:
-    """`data` [nrows, row_bytes] (blocks of `ggml_type`) → float32 [nrows, n], bit for bit
-    what twice.core.quant.dequantize gives. None where the kernels did not build."""
+def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None, start: int = 0,
+                    stop: int | None = None) -> torch.Tensor | None:
+    """Rows [start, stop) of `data` [nrows, row_bytes] (blocks of `ggml_type`) → float32
+    [stop - start, n], bit for bit what twice.core.quant.dequantize gives (an interleaved
+    type: what its rows as stored give). None where the kernels did not build."""
     lib = lib or library()
     if lib is None:
         return None
     _quant_shapes(lib, data, ggml_type, n)
-    y = torch.empty(data.shape[0], n, dtype=torch.float32)
-    if data.shape[0]:
-        lib.q_dequantize(int(ggml_type), data.data_ptr(), data.shape[0], n, y.data_ptr(), torch.get_num_threads())
+    stop = data.shape[0] if stop is None else stop
+    if not 0 <= start <= stop <= data.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) of a matrix of {data.shape[0]} rows")
+    y = torch.empty(stop - start, n, dtype=torch.float32)
+    if stop > start:
+        lib.q_dequantize_at(int(ggml_type), data.data_ptr(), start, stop - start, n, y.data_ptr(),
+                            torch.get_num_threads())
     return y
 
 

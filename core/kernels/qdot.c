@@ -6,6 +6,10 @@
  *   q_gemm                      y = W x for 1..any activation rows (integer block dot products)
  *   q_gemm_reference            the same with the portable scalar code (for the tests)
  *   q_dequantize                weight rows → float32, bit-exact with twice.core.quant
+ *   q_dequantize_at             the same for rows [first, first + nrows) (an embedding lookup)
+ *
+ * A 32-value type's id + QT_X8 is its interleaved 8-row layout (qdot.h): q_gemm then
+ * computes 8 output rows per tile (out: whole groups of 8), q_dequantize whole groups.
  *
  * The families live in qdot_legacy.c (32-value blocks) and qdot_kquants.c (256-value
  * super-blocks); the plain float types (F32/F16/BF16) are here. Layouts: qdot.h.
@@ -24,8 +28,12 @@
 static int is_legacy(int t) { return t == QT_Q4_0 || t == QT_Q4_1 || t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q8_0; }
 static int is_kquant(int t) { return t >= QT_Q2_K && t <= QT_Q6_K; }
 static int is_float(int t) { return t == QT_F32 || t == QT_F16 || t == QT_BF16; }
+/* A 32-value type's interleaved layout (qdot.h QT_X8), and a type id without it. */
+static int is_x8(int t) { return t >= QT_X8 && is_legacy(t - QT_X8); }
+static int base_type(int t) { return is_x8(t) ? t - QT_X8 : t; }
 
 int64_t q_row_bytes(int type, int64_t n) {
+    type = base_type(type);
     static const struct { int type, block, size; } sizes[] = {
         {QT_F32, 1, 4}, {QT_F16, 1, 2}, {QT_BF16, 1, 2}, {QT_Q4_0, 32, 18}, {QT_Q4_1, 32, 20},
         {QT_Q5_0, 32, 22}, {QT_Q5_1, 32, 24}, {QT_Q8_0, 32, 34}, {QT_Q2_K, 256, 84}, {QT_Q3_K, 256, 110},
@@ -38,6 +46,7 @@ int64_t q_row_bytes(int type, int64_t n) {
 }
 
 int64_t q_act_bytes(int type, int64_t n) {
+    type = base_type(type);
     if (q_row_bytes(type, n) < 0) return -1;
     if (is_float(type)) return 4 * n;
     if (is_legacy(type)) return qd_round64(n + 16 * (n / QK));
@@ -49,6 +58,7 @@ int64_t q_act_bytes(int type, int64_t n) {
  * an unknown type. Types of one family read the same prepared bytes, so matrices that share an
  * input need one q_prepare per family, not one per type. */
 int q_act_family(int type) {
+    type = base_type(type);
     return is_float(type) ? 0 : is_legacy(type) ? 1 : is_kquant(type) ? 2 : -1;
 }
 
@@ -124,6 +134,7 @@ static void prepare_row(int type, const float *x, int64_t n, uint8_t *out) {
 }
 
 void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq) {
+    type = base_type(type);
     const int64_t xs = q_act_bytes(type, n);
     if (xs < 0) return;
     for (int64_t r = 0; r < rows; r++) prepare_row(type, x + r * n, n, (uint8_t *)xq + r * xs);
@@ -201,6 +212,7 @@ AVX2_FLOAT_TILE(QT_BF16, avx2_bf16)
 #endif
 
 static qtile_fn tile_for(int type, int reference) {
+    if (is_x8(type)) return twq_x8_tile(base_type(type), reference);
     if (is_legacy(type)) return twq_legacy_tile(type, reference);
     if (is_kquant(type)) return twq_kquant_tile(type, reference);
 #ifdef __AVX2__
@@ -223,6 +235,13 @@ static void gemm_with(qtile_fn fn, int type, const void *w, int64_t out, int64_t
     const int64_t wb = q_row_bytes(type, n), xs = q_act_bytes(type, n);
     if (!fn || wb < 0 || out <= 0 || rows <= 0) return;
     const uint8_t *W = w, *X = xq;
+    if (is_x8(type)) { /* a tile computes a group of 8 weight rows (out is whole groups) */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < out / 8; g++)
+            for (int64_t b = 0; b < rows; b += 4)
+                fn(rows - b < 4 ? (int)(rows - b) : 4, W + 8 * g * wb, X + b * xs, xs, n, y + b * ldy + 8 * g, ldy);
+        return;
+    }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t b = 0; b < rows; b += 4)
@@ -242,16 +261,24 @@ void q_gemm_reference(int type, const void *w, int64_t out, int64_t n, const voi
 /* 1 where q_gemm runs SIMD code for this type in this build (0: the scalar reference). */
 int q_gemm_simd(int type) { return tile_for(type, 0) != tile_for(type, 1); }
 
-void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads) {
+/* Rows [first, first + nrows) of the matrix at w → float32 (an x8 matrix: any rows, each
+ * from its group; the same values as the rows as stored). */
+void q_dequantize_at(int type, const void *w, int64_t first, int64_t nrows, int64_t n, float *out, int threads) {
     const int64_t wb = q_row_bytes(type, n);
-    if (wb < 0 || nrows <= 0) return;
+    if (wb < 0 || nrows <= 0 || first < 0) return;
     const uint8_t *W = w;
+    const int x8 = is_x8(type), t = base_type(type);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
-        const uint8_t *row = W + r * wb;
+        const int64_t at = first + r;
         float *o = out + r * n;
-        if (is_legacy(type)) twq_legacy_dequantize(type, row, n, o);
-        else if (is_kquant(type)) twq_kquant_dequantize(type, row, n, o);
-        else for (int64_t i = 0; i < n; i++) o[i] = float_weight(type, row, i);
+        if (x8) twq_x8_dequantize_row(t, W + at / 8 * 8 * wb, (int)(at % 8), n, o);
+        else if (is_legacy(t)) twq_legacy_dequantize(t, W + at * wb, n, o);
+        else if (is_kquant(t)) twq_kquant_dequantize(t, W + at * wb, n, o);
+        else for (int64_t i = 0; i < n; i++) o[i] = float_weight(t, W + at * wb, i);
     }
+}
+
+void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads) {
+    q_dequantize_at(type, w, 0, nrows, n, out, threads);
 }

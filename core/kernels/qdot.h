@@ -30,6 +30,10 @@ enum {
 };
 #define QK 32
 #define QKK 256
+/* A 32-value type's id + QT_X8: its rows in the interleaved 8-row layout (core/quant/
+ * interleave.py; qdot_legacy.c's x8 tiles): the same bytes per row and the same prepared
+ * activations as the type's, in memory only (never in a file). */
+#define QT_X8 256
 
 /* One weight row against nr (1–4) prepared activation rows, x + r·xs each: y[r·ldy] for r < nr.
  * Every row's result is computed by the same instructions in the same order whatever nr is
@@ -132,5 +136,9 @@ static inline __m256i qd_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 qtile_fn twq_legacy_tile(int type, int reference);
 qtile_fn twq_kquant_tile(int type, int reference);
 int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
+/* x8 (`type`: the 32-value type's own id): tiles of 8 weight rows (a group) × 1–4 activation
+ * rows, y[r·ldy + i] for i < 8; row i of a group → float32 (the type's dequantized values). */
+qtile_fn twq_x8_tile(int type, int reference);
+int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
 #endif

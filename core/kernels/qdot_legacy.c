@@ -8,6 +8,8 @@
  * rows; each row keeps its own accumulator, summed in the same order whatever the tile's
  * size. The scalar reference computes the same integers and adds block by block.
  */
+#include <math.h>
+
 #include "qdot.h"
 
 /* The prepared row (qdot.h): qs[n] | {d_x, d_x·Σx_q} per block | int32 {-8·Σx_q, -16·Σx_q}
@@ -251,29 +253,245 @@ static void dequantize_block_avx2(int type, const uint8_t *b, float *o) {
 }
 #endif
 
+/* One block as stored → 32 floats (the reference's values). */
+static void dequantize_block(int type, const uint8_t *blk, float *o) {
+#ifdef __AVX2__
+    dequantize_block_avx2(type, blk, o);
+#else
+    int q[QK];
+    float d, m;
+    legacy_block(type, blk, q, &d, &m);
+    if (type == QT_Q4_1 || type == QT_Q5_1) {
+        /* The products first, whole, then the adds: the memory barrier between the two loops
+         * keeps the compiler from fusing them (a fused multiply-add would round once, the
+         * reference twice) while both loops still vectorize. */
+        float t[QK];
+        for (int j = 0; j < QK; j++) t[j] = d * (float)q[j];
+        __asm__ volatile("" : : "r"(t) : "memory");
+        for (int j = 0; j < QK; j++) o[j] = t[j] + m;
+    } else {
+        for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
+    }
+#endif
+}
+
 int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
     const int bs = legacy_size(type);
     if (!bs) return -1;
-#ifdef __AVX2__
-    for (int64_t b = 0; b < n / QK; b++) dequantize_block_avx2(type, w + b * bs, out + b * QK);
+    for (int64_t b = 0; b < n / QK; b++) dequantize_block(type, w + b * bs, out + b * QK);
     return 0;
-#endif
+}
+
+/* ---- the interleaved 8-row layout (x8: core/quant/interleave.py) ------------------------
+ * A group of 8 rows, block by block (8·size bytes per block): d[8] | m[8] (Q4_1, Q5_1) |
+ * qh[8] (Q5_0, Q5_1; uint32) | the quants in runs of 32 bytes, run c = bytes 4c..4c+3 of
+ * rows 0..7. Per (activation row, block) one integer dot product gives the 8 weight rows'
+ * sums in the 8 int32 lanes of a vector, so one conversion and one fused multiply-add
+ * (scale d_w[8]·d_x) serve 8 weight rows: row i of the group accumulates
+ * acc = fma(d_i·d_x, Σ_j q_ij·x_j, acc) block after block (and accm = fma(m_i, d_x·Σx_q,
+ * accm) for Q4_1/Q5_1), its result acc + accm. */
+
+static int x8_fields(int type, int *qh_at) { /* where the quants start in a block of the group */
+    const int has_min = type == QT_Q4_1 || type == QT_Q5_1, five = type == QT_Q5_0 || type == QT_Q5_1;
+    *qh_at = 16 + 16 * has_min;
+    return *qh_at + 32 * five;
+}
+
+/* Row i's block as stored, from block `blk` of an x8 group. */
+static void x8_block(int type, const uint8_t *blk, int i, uint8_t *out) {
+    const int bs = legacy_size(type);
+    int qh_at;
+    const int q_at = x8_fields(type, &qh_at), q_bytes = type == QT_Q8_0 ? 32 : 16;
+    memcpy(out, blk + 2 * i, 2);
+    int at = 2;
+    if (type == QT_Q4_1 || type == QT_Q5_1) { memcpy(out + at, blk + 16 + 2 * i, 2); at += 2; }
+    if (type == QT_Q5_0 || type == QT_Q5_1) { memcpy(out + at, blk + qh_at + 4 * i, 4); at += 4; }
+    for (int c = 0; c < q_bytes / 4; c++) memcpy(out + at + 4 * c, blk + q_at + 32 * c + 4 * i, 4);
+    (void)bs;
+}
+
+int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out) {
+    const int bs = legacy_size(type);
+    if (!bs || i < 0 || i >= 8) return -1;
+    uint8_t tmp[34];
     for (int64_t b = 0; b < n / QK; b++) {
-        int q[QK];
-        float d, m;
-        legacy_block(type, w + b * bs, q, &d, &m);
-        float *o = out + b * QK;
-        if (type == QT_Q4_1 || type == QT_Q5_1) {
-            /* The products first, whole, then the adds: the memory barrier between the two loops
-             * keeps the compiler from fusing them (a fused multiply-add would round once, the
-             * reference twice) while both loops still vectorize. */
-            float t[QK];
-            for (int j = 0; j < QK; j++) t[j] = d * (float)q[j];
-            __asm__ volatile("" : : "r"(t) : "memory");
-            for (int j = 0; j < QK; j++) o[j] = t[j] + m;
-        } else {
-            for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
+        x8_block(type, group + b * 8 * bs, i, tmp);
+        dequantize_block(type, tmp, out + b * QK);
+    }
+    return 0;
+}
+
+/* fma where the build has it (then the AVX2 tile and this reference agree bit for bit),
+ * else a product and a sum (within float rounding of it). */
+#ifdef __FMA__
+#define X8_FMA(a, b, c) fmaf((a), (b), (c))
+#else
+#define X8_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+static void ref_x8(int type, int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,
+                   int64_t ldy) {
+    const int64_t nb = n / QK;
+    const int bs = legacy_size(type), has_min = type == QT_Q4_1 || type == QT_Q5_1;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *xr = x + r * xs;
+        const int8_t *xq = (const int8_t *)xr;
+        const float *xd = LEGACY_DX(xr, n);
+        for (int i = 0; i < 8; i++) {
+            float acc = 0.0f, accm = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t tmp[34];
+                int q[QK];
+                float d, m;
+                x8_block(type, w + b * 8 * bs, i, tmp);
+                legacy_block(type, tmp, q, &d, &m);
+                int32_t isum = 0;
+                for (int j = 0; j < QK; j++) isum += q[j] * xq[b * QK + j];
+                acc = X8_FMA(d * xd[2 * b], (float)isum, acc);
+                if (has_min) accm = X8_FMA(m, xd[2 * b + 1], accm);
+            }
+            y[r * ldy + i] = acc + accm;
         }
+    }
+}
+
+#define REF_X8_TILE(T, NAME)                                                                          \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        ref_x8(T, nr, w, x, xs, n, y, ldy);                                                          \
+    }
+REF_X8_TILE(QT_Q4_0, ref_x8_q4_0)
+REF_X8_TILE(QT_Q4_1, ref_x8_q4_1)
+REF_X8_TILE(QT_Q5_0, ref_x8_q5_0)
+REF_X8_TILE(QT_Q5_1, ref_x8_q5_1)
+REF_X8_TILE(QT_Q8_0, ref_x8_q8_0)
+
+#ifdef __AVX2__
+/* 4 bytes of an activation row, broadcast to the 8 lanes (one vpbroadcastd from memory). */
+static inline __m256i bcast4(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return _mm256_castps_si256(_mm256_set1_ps(f));
+}
+
+/* The 5th bits of 4 values of each of the 8 rows as 0x10 bytes: bits 4c'..4c'+3 of each
+ * lane's qh (c' = 0..7: values 4c'.., bits in byte c'/2, its low or high nibble). */
+static inline __m256i x8_high_bits(__m256i qh, const int c) {
+    const int byte = c / 2;
+    const __m256i shuf = _mm256_setr_epi8(byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte,
+                                          8 + byte, 8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte,
+                                          12 + byte, byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte,
+                                          8 + byte, 8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte,
+                                          12 + byte);
+    const __m256i bit = c % 2 ? _mm256_set1_epi32((int)0x80402010u) : _mm256_set1_epi32(0x08040201);
+    const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(qh, shuf), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
+                                                          const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                          int64_t ldy) {
+    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
+    const int five = T == QT_Q5_0 || T == QT_Q5_1;
+    const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
+    const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
+    const int64_t nb = n / QK;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4], accm[4];
+    for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * B;
+        for (int l = 0; l < B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        __m256i s[4];
+        if (T == QT_Q8_0) {
+            for (int r = 0; r < NR; r++) s[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const __m256i xv = _mm256_sign_epi8(bcast4(x + r * xs + b * QK + 4 * c), wv);
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+                }
+            }
+        } else {
+            /* int16 sums of maddubs pairs: u4·s8 pairs ≤ 3810, 8 of them fit; u5: 7874, 4 */
+            __m256i p[4];
+            for (int r = 0; r < NR; r++) { p[r] = _mm256_setzero_si256(); s[r] = _mm256_setzero_si256(); }
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + qh_at)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
+                __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if (five) {
+                    lo = _mm256_or_si256(lo, x8_high_bits(qh, c));
+                    hi = _mm256_or_si256(hi, x8_high_bits(qh, 4 + c));
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *xb = x + r * xs + b * QK;
+                    p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                    p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+                }
+                if (five && c == 1)
+                    for (int r = 0; r < NR; r++) { s[r] = _mm256_madd_epi16(p[r], ones); p[r] = _mm256_setzero_si256(); }
+            }
+            for (int r = 0; r < NR; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p[r], ones));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *xr = x + r * xs;
+            __m256i isum = s[r];
+            if (has_off) {
+                float off;
+                memcpy(&off, LEGACY_OFF(xr, n) + 2 * b + (T == QT_Q5_0), 4);
+                isum = _mm256_add_epi32(isum, _mm256_castps_si256(_mm256_set1_ps(off)));
+            }
+            const float *dx = LEGACY_DX(xr, n) + 2 * b;
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx)), _mm256_cvtepi32_ps(isum), acc[r]);
+            if (has_min) accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+}
+
+#define AVX2_X8_TILE(T, NAME)                                                                         \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        switch (nr) {                                                                                \
+        case 4: tile_x8(T, 4, w, x, xs, n, y, ldy); return;                                          \
+        case 3: tile_x8(T, 3, w, x, xs, n, y, ldy); return;                                          \
+        case 2: tile_x8(T, 2, w, x, xs, n, y, ldy); return;                                          \
+        default: tile_x8(T, 1, w, x, xs, n, y, ldy); return;                                         \
+        }                                                                                            \
+    }
+AVX2_X8_TILE(QT_Q4_0, avx2_x8_q4_0)
+AVX2_X8_TILE(QT_Q4_1, avx2_x8_q4_1)
+AVX2_X8_TILE(QT_Q5_0, avx2_x8_q5_0)
+AVX2_X8_TILE(QT_Q5_1, avx2_x8_q5_1)
+AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
+#endif
+
+/* The x8 tiles of a 32-value type (`type`: the type's own id): one tile call computes 8
+ * weight rows (a group) against 1–4 activation rows, y[r·ldy + i] for i < 8. */
+qtile_fn twq_x8_tile(int type, int reference) {
+#ifdef __AVX2__
+    if (!reference) switch (type) {
+        case QT_Q4_0: return avx2_x8_q4_0;
+        case QT_Q4_1: return avx2_x8_q4_1;
+        case QT_Q5_0: return avx2_x8_q5_0;
+        case QT_Q5_1: return avx2_x8_q5_1;
+        case QT_Q8_0: return avx2_x8_q8_0;
+        }
+#endif
+    (void)reference;
+    switch (type) {
+    case QT_Q4_0: return ref_x8_q4_0;
+    case QT_Q4_1: return ref_x8_q4_1;
+    case QT_Q5_0: return ref_x8_q5_0;
+    case QT_Q5_1: return ref_x8_q5_1;
+    case QT_Q8_0: return ref_x8_q8_0;
     }
     return 0;
 }

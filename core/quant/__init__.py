@@ -44,6 +44,9 @@ class Codec(NamedTuple):
     type_size: int  # bytes per block
     dequantize_blocks: Callable[[torch.Tensor], torch.Tensor]  # (n, type_size) uint8 -> (n, block_size) float32
     quantize_blocks: Callable[[torch.Tensor], torch.Tensor] | None = None  # (n, block_size) float32 -> (n, type_size) uint8
+    # 1: rows as stored; 8: the interleaved 8-row layout of the native kernels (interleave.py),
+    # whose ggml_type is the type's + interleave.X8 (in memory only, never in a file)
+    rows_per_group: int = 1
 
     @property
     def quantized(self) -> bool:

@@ -1,0 +1,108 @@
+"""The interleaved 8-row layout ("x8") of the 32-value block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0).
+
+A layout, not a type: the same bytes as the rows as stored (memory unchanged), rearranged so
+that the native kernels (core/kernels/qdot_legacy.c) get one int32 lane per weight row out of
+each integer dot product, and one float conversion and one fused multiply-add serve 8 weight
+rows (llama.cpp's repacked block_q4_0x8 does the same). A part of R rows (R % 8 == 0) is
+groups of 8 consecutive rows; a group holds 8 × row_bytes bytes, block by block: for block b
+(8 × type_size bytes at b·8·type_size within the group)
+
+    d[8] (fp16 each: rows 0..7) | m[8] (Q4_1, Q5_1) | qh[8] (Q5_0, Q5_1: uint32 each) | quants
+
+where the quants are interleaved in runs of 4 bytes: run c (32 bytes) holds bytes 4c..4c+3 of
+row 0, then of row 1, ..., row 7 (Q4: 4 runs of the 16 nibble bytes, so `& 0x0f` gives values
+4c..4c+3 of every row and `>> 4` values 16+4c..; Q8_0: 8 runs of the 32 int8 quants).
+
+The codec of an interleaved part is its type's codec with `ggml_type` + X8 and
+`rows_per_group` 8 (`interleaved`), so every path that hands a part's type id to the C
+kernels hands the layout with it; its `name` stays the type's ("Q4_1"). The torch reference
+of the layout is `deinterleave` (back to the rows as stored) followed by the type's
+dequantizer (`dequantize_part`): the tests and every non-native path use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+X8 = 256  # added to a type's ggml id for its interleaved layout (never in a file: in memory only)
+GROUP = 8
+# Per type: (type_size, the fields before the quants as (offset, bytes per row)), quants' offset
+_FIELDS = {
+    "Q4_0": (18, ((0, 2),), 2),
+    "Q4_1": (20, ((0, 2), (2, 2)), 4),
+    "Q5_0": (22, ((0, 2), (2, 4)), 6),
+    "Q5_1": (24, ((0, 2), (2, 2), (4, 4)), 8),
+    "Q8_0": (34, ((0, 2),), 2),
+}
+TYPES = frozenset(_FIELDS)
+
+
+def eligible(codec, rows: int) -> bool:
+    """Whether a part of `rows` rows of `codec` can be interleaved (a 32-value type as stored,
+    whole groups of 8 rows)."""
+    return codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
+
+
+def interleaved(codec):
+    """The codec of `codec`'s type in the x8 layout."""
+    if codec.name not in _FIELDS:
+        raise ValueError(f"{codec.name} has no interleaved layout")
+    if codec.rows_per_group == GROUP:
+        return codec
+    return codec._replace(ggml_type=codec.ggml_type + X8, rows_per_group=GROUP)
+
+
+def base(codec):
+    """The codec of the rows as stored (`codec` itself unless it is interleaved)."""
+    if getattr(codec, "rows_per_group", 1) == 1:
+        return codec
+    return codec._replace(ggml_type=codec.ggml_type - X8, rows_per_group=1)
+
+
+def _split(data: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+    size = _FIELDS[name][0]
+    rows, row_bytes = data.shape
+    if rows % GROUP or row_bytes % size:
+        raise ValueError(f"{name} x8 needs whole groups of {GROUP} rows of whole blocks, got {tuple(data.shape)}")
+    return data.reshape(rows // GROUP, GROUP, row_bytes // size, size), size
+
+
+def interleave(data: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows as stored [R, row_bytes] (R % 8 == 0) → the same bytes in the x8 layout, [R, row_bytes]."""
+    blocks, size = _split(data, name)  # [G, 8 rows, nb, size]
+    _, fields, qoff = _FIELDS[name]
+    g, _, nb, _ = blocks.shape
+    blocks = blocks.permute(0, 2, 1, 3)  # [G, nb, 8, size]
+    pieces = [blocks[..., o:o + w].reshape(g, nb, GROUP * w) for o, w in fields]
+    q = blocks[..., qoff:]  # [G, nb, 8, Q]
+    runs = q.shape[-1] // 4
+    pieces.append(q.reshape(g, nb, GROUP, runs, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP * 4 * runs))
+    return torch.cat(pieces, dim=-1).reshape(data.shape).contiguous()
+
+
+def deinterleave(data: torch.Tensor, name: str) -> torch.Tensor:
+    """x8 bytes [R, row_bytes] → the rows as stored (interleave's inverse)."""
+    size, fields, qoff = _FIELDS[name]
+    rows, row_bytes = data.shape
+    if rows % GROUP or row_bytes % size:
+        raise ValueError(f"{name} x8 needs whole groups of {GROUP} rows of whole blocks, got {tuple(data.shape)}")
+    g, nb = rows // GROUP, row_bytes // size
+    flat = data.reshape(g, nb, GROUP * size)
+    out = torch.empty(g, nb, GROUP, size, dtype=torch.uint8, device=data.device)
+    at = 0
+    for o, w in fields:
+        out[..., o:o + w] = flat[..., at:at + GROUP * w].reshape(g, nb, GROUP, w)
+        at += GROUP * w
+    runs = (size - qoff) // 4
+    out[..., qoff:] = flat[..., at:].reshape(g, nb, runs, GROUP, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP,
+                                                                                                  4 * runs)
+    return out.permute(0, 2, 1, 3).reshape(rows, row_bytes)
+
+
+def dequantize_part(data: torch.Tensor, codec) -> torch.Tensor:
+    """Rows of blocks [R, row_bytes] in `codec`'s layout → float32 [R, n] (the torch reference)."""
+    from . import dequantize
+
+    if getattr(codec, "rows_per_group", 1) != 1:
+        data = deinterleave(data, codec.name)
+    return dequantize(data, codec.name)
