@@ -86,7 +86,8 @@ def _weight_ok(w, dtype: torch.dtype, per_expert: int = 0) -> bool:
     """A matrix decode.c multiplies: a contiguous float tensor in the model's dtype, or at most
     MAX_PARTS parts of blocks it multiplies. A stacked expert matrix (`per_expert` rows an expert)
     may have any number of parts (a GGUF file's: an expert's gate and up rows lie in two tensors)
-    so long as each expert's rows span at most MAX_PARTS of them (decode.c's sub_weight)."""
+    so long as each expert's rows span at most MAX_PARTS of them (decode.c's sub_weight), and in a
+    part of interleaved row groups (qweight's x8 layout) begin and end on a group's edge."""
     if not isinstance(w, BlockWeight):
         return w.dtype == dtype and w.is_contiguous()
     if not all(p.codec.ggml_type in BLOCK_TYPES and p.data.is_contiguous() for p in w.parts):
@@ -94,9 +95,17 @@ def _weight_ok(w, dtype: torch.dtype, per_expert: int = 0) -> bool:
     if not per_expert:
         return len(w.parts) <= MAX_PARTS
     ends = list(itertools.accumulate(p.rows for p in w.parts))
-    starts = [0] + ends[:-1]  # parts [first, last) overlap rows [lo, lo + per_expert)
-    return all(bisect.bisect_left(starts, lo + per_expert) - bisect.bisect_right(ends, lo) <= MAX_PARTS
-               for lo in range(0, w.out_features, per_expert))
+    starts = [0] + ends[:-1]
+    for lo in range(0, w.out_features, per_expert):
+        hi = lo + per_expert
+        first, last = bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)  # parts [first, last) hold it
+        if last - first > MAX_PARTS:
+            return False
+        for i in range(first, last):
+            group = getattr(w.parts[i].codec, "rows_per_group", 1)
+            if group > 1 and ((max(lo, starts[i]) - starts[i]) % group or (min(hi, ends[i]) - starts[i]) % group):
+                return False
+    return True
 
 
 # What decode.c implements (family.py): llama-style blocks (RMSNorm before attention and
