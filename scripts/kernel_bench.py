@@ -29,6 +29,12 @@ time over rows × the one-row call's (1/that is the batch's speedup per row):
     python scripts/kernel_bench.py --quant Q4_1,Q8_0,Q5_0 --quant-shapes 576x1536,1536x576,49152x576,896x4864 \
         --threads 1 --rows 1,4,16 --cpu-time --x8 --rounds 5
 
+--step [MODEL] times a whole native decode step (default model: SmolLM2) at --rows, x8 against
+rows as stored (two loads), paired rounds: the 16-row step over the 1-row step is what
+`twice serve`'s batching can gain:
+
+    python scripts/kernel_bench.py --step --threads 1 --rows 1,4,16 --cpu-time --rounds 5
+
 Needs a C compiler (as the kernels do); never run in CI.
 """
 
@@ -217,6 +223,50 @@ def x8_main(args, lib, clock) -> None:
                       f"{then / (rows * base[1]):>7.3f}", flush=True)
 
 
+def step_main(args) -> None:
+    """The native decode step of a whole model (default: twice's default model) at each of
+    --rows, with its 32-value types interleaved and with its rows as stored (two loads, one
+    process, TWICE_INTERLEAVE read at each load), paired alternating rounds: the serve lever is
+    the 16-row step's time over the 1-row step's."""
+    from twice.core.cache import KVCache
+    from twice.core.native_decode import NativeDecoder
+    from twice.weights.load import load
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    models = {}
+    for layout, env in (("x8", "1"), ("stored", "0")):
+        os.environ["TWICE_INTERLEAVE"] = env
+        m = load(args.step or None, device="cpu", dtype="float32")
+        models[layout] = (m, NativeDecoder(m.model))
+    os.environ.pop("TWICE_INTERLEAVE")
+    print(f"native step of {models['x8'][0].name}, {args.threads} thread(s), position {args.position}, "
+          f"{args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
+    rows_list = list(map(int, args.rows.split(",")))
+    best = {(layout, r): float("inf") for layout in models for r in rows_list}
+    caches = {}
+    for layout, (m, native) in models.items():
+        for r in rows_list:
+            cache = KVCache(m.config, r, args.position + 64, torch.float32, "cpu")
+            cache.length = args.position  # the columns before hold zeros: the attention reads them all the same
+            caches[layout, r] = cache
+    tokens = {r: torch.randint(0, 1000, (r, 1)) for r in rows_list}
+    for _ in range(args.rounds):
+        for r in rows_list:
+            for layout in ("stored", "x8"):
+                native, cache = models[layout][1], caches[layout, r]
+                t = clock()
+                for _ in range(8):
+                    native(tokens[r], cache)
+                    cache.length = args.position
+                best[layout, r] = min(best[layout, r], (clock() - t) / 8)
+    print(f"{'rows':>4} {'x8':>9} {'stored':>9} {'speedup':>7} {'x8 vs 1 row':>11} {'stored vs 1 row':>15}")
+    for r in rows_list:
+        x, s = best["x8", r], best["stored", r]
+        print(f"{r:>4} {x * 1e3:>7.2f}ms {s * 1e3:>7.2f}ms {s / x:>6.2f}x {x / best['x8', rows_list[0]]:>10.2f}x "
+              f"{s / best['stored', rows_list[0]]:>14.2f}x", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def quant_main(args, lib) -> None:
     from twice.core import quant
 
@@ -273,11 +323,17 @@ def main() -> None:
                    help="with --quant: the interleaved 8-row layout against the rows as stored (32-value types)")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --quant --threads 1: time the thread's CPU seconds (a busy shared machine)")
+    p.add_argument("--step", nargs="?", const="", default=None, metavar="MODEL",
+                   help="the native decode step of MODEL (default: twice's default model), x8 against rows as stored")
+    p.add_argument("--position", type=int, default=64, help="with --step: the cache column each step writes")
     args = p.parse_args()
     lib = kernels.library()
     if lib is None:
         sys.exit("the native kernels did not build here (no C compiler?)")
     torch.set_num_threads(args.threads)
+    if args.step is not None:
+        step_main(args)
+        return
     if args.quant:
         quant_main(args, lib)
         return

@@ -139,7 +139,7 @@ def test_an_interleaved_model_decodes_as_the_rows_as_stored(pairs, kind):
             model.model(ids, a)
             model.model(ids, b)
             tok = torch.tensor([[42]])
-            for _ in range(24):
+            for _ in range(12):
                 la, lb = model.model(tok, a).float(), native(tok, b)
                 worst = max(worst, (la - lb).abs().max().item())
                 scale = max(scale, la.abs().max().item())
@@ -226,3 +226,25 @@ def test_blockweight_products_equal_the_kernel_on_a_bare_part():
     assert torch.equal(mixed.dequantize(start=10, stop=20), stored.dequantize(start=10, stop=20))
     scale = x.abs() @ stored.dequantize().abs().T
     assert ((mixed.matmul(x) - stored.matmul(x)).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.slow  # builds the kernels for an older CPU (seconds)
+def test_the_portable_build_computes_the_same():
+    """x86-64-v2 (no AVX2: the scalar x8 reference is the production path): dequantize the same
+    bits, products within rounding of the native build's, batch invariant."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 CPU")
+    lib = kernels._build(march="x86-64-v2")
+    assert lib is not None
+    for name in TYPES:
+        c, data, x = _case(name, 24, 5, 6, seed=60 + TYPES.index(name))
+        cx, il = x8.interleaved(c), x8.interleave(data, name)
+        assert not lib.q_gemm_simd(cx.ggml_type)
+        assert torch.equal(kernels.dequantize_rows(il, cx.ggml_type, 160, lib=lib), quant.dequantize(data, name))
+        theirs = kernels.quant_matmul(x, il, cx.ggml_type, lib=lib)
+        scale = x.abs() @ quant.dequantize(data, name).abs().T
+        assert ((theirs - kernels.quant_matmul(x, il, cx.ggml_type)).abs() <= 1e-5 * scale + 1e-30).all(), name
+        alone = torch.cat([kernels.quant_matmul(x[r:r + 1], il, cx.ggml_type, lib=lib) for r in range(6)])
+        assert torch.equal(theirs, alone), name
