@@ -81,7 +81,14 @@ CHEAP_PROBES = (1, 3)
 RETRY_FIRST, RETRY_MOST = 8, 128  # plain steps before trying guesses again (doubling)
 DECAY = 0.95  # weight of the past in the acceptance counts, per pass
 EMA = 0.3  # weight of a new time measurement
-CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens runs as native virtual rows
+CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens: priced as that many draft steps
+# Where the native step runs a draft, what it feeds (its prefill, its catch-ups) goes through the
+# native virtual rows, at most this many a call: the 0.5B Q4_K_M's prefill of 81 tokens, 1 thread,
+# took 1.6-2.2 s so against 3.0-4.3 s through the eager layers (more than 64 rows leave the
+# integer kernel), 0.21-0.29 of a draft step a token: NATIVE_ROW_SHARE prices a prefill at least
+# that before the draft has measured its own (Draft.prefill_rate).
+NATIVE_CHUNK = 64
+NATIVE_ROW_SHARE = 0.3
 STEADY_CATCH_UP = 2  # a draft's catch-up after a verify pass: its last guess and the model's token
 MARGIN = 1.05  # drafting is chosen only where it is expected this much faster than plain steps
 # Acceptance priors: Beta pseudo-counts (kept, judged guesses), updated by every pass (Adaptive).
@@ -480,6 +487,7 @@ class Draft:
         self.measured_step: float | None = None  # one step on a short dummy cache (step_seconds)
         self.last_catch_up = 0  # tokens the last propose call fed before its first guess
         self.last_catch_up_seconds = 0.0  # and the time that took
+        self.prefill_rate: float | None = None  # seconds a token of its prefills (catch-ups > CATCH_UP_NATIVE)
         # The acceptance counts (kept, judged, evidence) the next request's plan starts from:
         # the prior, then what this draft's passes accepted (Speculator keeps them up to date).
         self.acceptance_counts: tuple[float, float, float] = (*DRAFT_PRIOR, 0.0)
@@ -512,14 +520,17 @@ class Draft:
         return self.cache.capacity
 
     def _logits(self, tokens: list[int], cache: KVCache | None = None) -> torch.Tensor:
-        """Feed tokens at the cache's end; the last position's logits [V] float32. A few
-        tokens (a catch-up after a verify pass) go through the native step's virtual rows."""
+        """Feed tokens at the cache's end; the last position's logits [V] float32. Where the
+        native step runs the draft, several tokens (a catch-up, a prefill) go through its
+        virtual rows, NATIVE_CHUNK a call (the draft's proposals need not equal the eager
+        layers' bit for bit: the target verifies them)."""
         cache = cache if cache is not None else self.cache
         fast = self.fast if self.fast is not None and self.fast.supports(cache) else None
         if fast is not None and len(tokens) == 1:
             out = fast(torch.tensor([tokens], device=self.device), cache)
-        elif fast is not None and len(tokens) <= CATCH_UP_NATIVE and cache.length + len(tokens) <= cache.capacity:
-            out = fast.verify(torch.tensor(tokens, dtype=torch.int64), cache)[-1:]
+        elif fast is not None and cache.length + len(tokens) <= cache.capacity:
+            for begin in range(0, len(tokens), NATIVE_CHUNK):
+                out = fast.verify(torch.tensor(tokens[begin:begin + NATIVE_CHUNK], dtype=torch.int64), cache)[-1:]
         else:
             out = self.model(torch.tensor([tokens], device=self.device), cache)
         return out[0].float()
@@ -539,6 +550,9 @@ class Draft:
         t = time.perf_counter()
         logits = self._logits(seq[reused:])
         self.last_catch_up_seconds = time.perf_counter() - t
+        if self.last_catch_up > CATCH_UP_NATIVE:
+            rate = self.last_catch_up_seconds / self.last_catch_up
+            self.prefill_rate = rate if self.prefill_rate is None else (1 - EMA) * self.prefill_rate + EMA * rate
         self.ids = list(seq)
         greedy = sampler.params[row].greedy
         guesses: list[int] = []
@@ -655,13 +669,21 @@ class Speculator:
         self.prefill_per_token = 0.0  # the target's prefill seconds per prompt token (decode sets it)
 
     def _catch_up(self, seq: list[int]) -> tuple[int, float]:
-        """(tokens, estimated seconds) of the draft's prefill of what of `seq` it lacks: the
-        target's prefill rate times the draft's cost relative to a target step."""
+        """(tokens, estimated seconds) of the draft's prefill of what of `seq` it lacks: at
+        the rate its own prefills measured (Draft.prefill_rate), else the target's prefill
+        rate times the draft's cost relative to a target step, and where the native step runs
+        the draft at least NATIVE_ROW_SHARE of a draft step a token."""
         n = len(seq) - min(_common_prefix(self.proposer.ids, seq), len(seq) - 1)
+        c = self.adaptive.draft or 0.0
         if n <= CATCH_UP_NATIVE:
-            return n, n * (self.adaptive.draft or 0.0)
-        ratio = (self.adaptive.draft or 0.0) / self.adaptive.step if self.adaptive.step else 1.0
-        return n, n * self.prefill_per_token * ratio
+            return n, n * c
+        rate = getattr(self.proposer, "prefill_rate", None)
+        if rate is None:
+            ratio = c / self.adaptive.step if self.adaptive.step else 1.0
+            rate = self.prefill_per_token * ratio
+            if getattr(self.proposer, "fast", None) is not None:
+                rate = max(rate, NATIVE_ROW_SHARE * c)
+        return n, n * rate
 
     def _plain(self, engine, seq: list[int], cache: KVCache, sampler, draft_seconds: float = 0.0):
         s = self.stats

@@ -53,6 +53,7 @@ class FakeDraft(speculative.Draft):
         self.clock, self.c, self.prefill, self.right = clock, c, prefill, right
         self.ids, self.cache, self.measured_step = [], None, None
         self.last_catch_up, self.last_catch_up_seconds = 0, 0.0
+        self.prefill_rate, self.fast = None, None
         self.acceptance_counts = (*speculative.DRAFT_PRIOR, 0.0)
         self.calls = 0  # propose calls
         self.prefills = 0  # propose calls that fed more than a catch-up
@@ -276,3 +277,24 @@ def test_after_a_full_pass_a_k_that_does_not_pay_falls_back_to_the_best():
     a.record_pass(2, 2, False, 0.0, 10.0)  # K = 2 is very slow
     a.full = 1
     assert a.choose() == 1  # not 2 (full + 1), which does not pay, and not a plain step
+
+
+# -- the draft's prefill through the native virtual rows -----------------------------------------
+def test_a_native_draft_prefills_in_chunks_and_measures_its_rate(model_dirs, one_thread, monkeypatch):
+    """A 150-token text: fed as native calls of at most NATIVE_CHUNK rows (not the eager
+    layers), the rate of that prefill kept for the next plan."""
+    from twice.core.sampling import Sampler, SamplingParams
+    from twice.weights.load import load
+
+    m = load(str(model_dirs("llama")), device="cpu", dtype="float32")
+    draft = speculative.Draft(m.model)
+    assert draft.fast is not None
+    sizes = []
+    real = type(draft.fast).verify
+    monkeypatch.setattr(type(draft.fast), "verify", lambda self, ids, cache: (sizes.append(ids.numel()),
+                                                                              real(self, ids, cache))[1])
+    seq = [(7 * i) % 200 + 3 for i in range(150)]
+    sampler = Sampler([SamplingParams()], [seq], m.config.vocab_size, "cpu")
+    guesses, _ = draft.propose(seq, 3, sampler, 0)
+    assert sizes == [64, 64, 22] and len(guesses) == 3
+    assert draft.last_catch_up == 150 and draft.prefill_rate == pytest.approx(draft.last_catch_up_seconds / 150)
