@@ -208,8 +208,9 @@ class _Blocks(torch.nn.Module):
             buffer = getattr(self, f"blocks{i}")
             if buffer.device.type != "cpu" or not buffer.is_contiguous() or not x8.eligible(c, buffer.shape[0]):
                 continue
-            with torch.no_grad():
-                buffer.copy_(x8.interleave(buffer, c.name))  # one tensor's temporary at a time
+            with torch.no_grad():  # natively (a group's temporary), else by torch (one tensor's temporary)
+                if not kernels.interleave_rows(buffer, c.ggml_type, self.in_features):
+                    buffer.copy_(x8.interleave(buffer, c.name))
             self.codecs[i] = x8.interleaved(c)
             done += 1
         return done

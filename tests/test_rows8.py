@@ -248,3 +248,14 @@ def test_the_portable_build_computes_the_same():
         assert ((theirs - kernels.quant_matmul(x, il, cx.ggml_type)).abs() <= 1e-5 * scale + 1e-30).all(), name
         alone = torch.cat([kernels.quant_matmul(x[r:r + 1], il, cx.ggml_type, lib=lib) for r in range(6)])
         assert torch.equal(theirs, alone), name
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_native_interleave_writes_the_torch_layout(name):
+    """q_interleave (in place, what loading uses) gives the bytes of interleave.interleave."""
+    c, data, _ = _case(name, 40, 9, 1, seed=70 + TYPES.index(name))
+    mine = data.clone()
+    assert kernels.interleave_rows(mine, c.ggml_type, 9 * 32)
+    assert torch.equal(mine, x8.interleave(data, name))
+    with pytest.raises(ValueError):
+        kernels.interleave_rows(data[:12].contiguous(), c.ggml_type, 9 * 32)

@@ -109,6 +109,8 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     handle.q_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p, ctypes.c_int]
     handle.q_dequantize_at.restype = None
     handle.q_dequantize_at.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int]
+    handle.q_interleave.restype = ctypes.c_int
+    handle.q_interleave.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int]
     return handle
 
 
@@ -319,6 +321,23 @@ def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None, sta
         lib.q_dequantize_at(int(ggml_type), data.data_ptr(), start, stop - start, n, y.data_ptr(),
                             torch.get_num_threads())
     return y
+
+
+def interleave_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None) -> bool:
+    """Rewrite `data` [rows, row_bytes] (rows % 8 == 0, blocks of a 32-value `ggml_type` as
+    stored) in place into its interleaved 8-row layout (core/quant/interleave.py: the same
+    bytes as its torch `interleave`). False where the kernels did not build (data untouched);
+    MemoryError where a group's buffer could not be allocated."""
+    lib = lib or library()
+    if lib is None:
+        return False
+    _quant_shapes(lib, data, ggml_type, n)
+    status = lib.q_interleave(int(ggml_type), data.data_ptr(), data.shape[0], n, torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("could not allocate a buffer to interleave the weights")
+    if status != 0:
+        raise ValueError(f"ggml type {ggml_type} rows [{data.shape[0]}, {n}] have no interleaved layout")
+    return True
 
 
 @torch.library.custom_op("twice::quant_matmul", mutates_args=())

@@ -7,6 +7,7 @@
  *   q_gemm_reference            the same with the portable scalar code (for the tests)
  *   q_dequantize                weight rows → float32, bit-exact with twice.core.quant
  *   q_dequantize_at             the same for rows [first, first + nrows) (an embedding lookup)
+ *   q_interleave                a 32-value type's rows → its x8 layout, in place
  *
  * A 32-value type's id + QT_X8 is its interleaved 8-row layout (qdot.h): q_gemm then
  * computes 8 output rows per tile (out: whole groups of 8), q_dequantize whole groups.
@@ -277,6 +278,33 @@ void q_dequantize_at(int type, const void *w, int64_t first, int64_t nrows, int6
         else if (is_kquant(t)) twq_kquant_dequantize(t, W + at * wb, n, o);
         else for (int64_t i = 0; i < n; i++) o[i] = float_weight(t, W + at * wb, i);
     }
+}
+
+/* Rows [0, rows) of a 32-value type `type` (its own id) rewritten in place into the x8 layout
+ * (rows: whole groups of 8); 0, or -1 for another type or shape, -2 where a group's buffer
+ * could not be allocated (w then untouched or partly rewritten: the caller refuses the
+ * model). */
+int q_interleave(int type, void *w, int64_t rows, int64_t n, int threads) {
+    const int64_t wb = q_row_bytes(type, n);
+    if (!is_legacy(type) || wb < 0 || rows < 0 || rows % 8) return -1;
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        uint8_t *tmp = malloc(8 * wb);
+        if (!tmp) {
+            #pragma omp atomic write
+            status = -2;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < rows / 8; g++) {
+            if (!tmp) continue;
+            uint8_t *group = (uint8_t *)w + 8 * g * wb;
+            memcpy(tmp, group, 8 * wb);
+            twq_x8_interleave_group(type, tmp, n, group);
+        }
+        free(tmp);
+    }
+    return status;
 }
 
 void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads) {

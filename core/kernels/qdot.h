@@ -140,5 +140,6 @@ int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
  * rows, y[r·ldy + i] for i < 8; row i of a group → float32 (the type's dequantized values). */
 qtile_fn twq_x8_tile(int type, int reference);
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
+int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
 #endif

@@ -310,6 +310,29 @@ static void x8_block(int type, const uint8_t *blk, int i, uint8_t *out) {
     (void)bs;
 }
 
+/* One group of 8 rows as stored (`in`, 8 rows of n values) → the x8 layout (`out`, the same
+ * size; not overlapping `in`). The same bytes as core/quant/interleave.py's interleave. */
+int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out) {
+    const int bs = legacy_size(type);
+    if (!bs) return -1;
+    const int64_t nb = n / QK, row_bytes = nb * bs;
+    int qh_at;
+    const int q_at = x8_fields(type, &qh_at), runs = (type == QT_Q8_0 ? 32 : 16) / 4;
+    const int has_min = type == QT_Q4_1 || type == QT_Q5_1, five = type == QT_Q5_0 || type == QT_Q5_1;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *o = out + b * 8 * bs;
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *blk = in + i * row_bytes + b * bs;
+            int at = 2;
+            memcpy(o + 2 * i, blk, 2);
+            if (has_min) { memcpy(o + 16 + 2 * i, blk + at, 2); at += 2; }
+            if (five) { memcpy(o + qh_at + 4 * i, blk + at, 4); at += 4; }
+            for (int c = 0; c < runs; c++) memcpy(o + q_at + 32 * c + 4 * i, blk + at + 4 * c, 4);
+        }
+    }
+    return 0;
+}
+
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out) {
     const int bs = legacy_size(type);
     if (!bs || i < 0 || i >= 8) return -1;
