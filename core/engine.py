@@ -586,6 +586,12 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int | None) -> torch.Tensor:
+        """Tokens [B, T] at the cache's end; the last position's logits [B, V]. A short
+        prompt of one row goes through the native step (NativeDecoder.prefill: the same bits
+        however it is chunked); the rest through the eager layers, `chunk` tokens a pass."""
+        if isinstance(self.fast, NativeDecoder) and self.fast.prefills(tokens, cache):
+            with self._out_of_memory(cache, f"prefilling {tokens.shape[1]} tokens"):
+                return self.fast.prefill(tokens, cache, chunk)
         chunk = chunk or tokens.shape[1]
         logits = None
         with self._out_of_memory(cache, f"prefilling {tokens.shape[0]} × {tokens.shape[1]} tokens"):

@@ -273,6 +273,13 @@ def _describe(w, keep: list | None = None) -> _Weight:
     return out
 
 
+# Prefill through the native step's virtual rows (NativeDecoder.prefill): prompts of at most
+# PREFILL_MAX tokens, PREFILL_CHUNK a call (the integer kernels' batch sizes; beyond, the
+# eager layers dequantize tiles into float matrix products).
+PREFILL_CHUNK = 64
+PREFILL_MAX = 256
+
+
 class NativeDecoder:
     """Decode steps for batch-1 caches of a llama-family `model` (see `supported`)."""
 
@@ -387,6 +394,31 @@ class NativeDecoder:
         logits = self._step(ids, cache, column, column + count, rows, columns)
         cache.length = column + count
         return logits
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int | None = None) -> torch.Tensor:
+        """A short prompt's tokens [T] (or [1, T]) at a batch-1 cache's end through `verify`,
+        at most PREFILL_CHUNK (or `chunk`) a call: the last position's logits [1, V] float32.
+        Bit for bit what T single steps give, however the tokens are cut into calls (a
+        chunked prefill in serve equals generate's); several times faster than the eager
+        layers for the prompts of a chat turn or a served request (one C call per chunk
+        instead of ~10 small ops per layer, the batched tiles for every matrix)."""
+        ids = tokens.reshape(-1)
+        step = min(chunk or PREFILL_CHUNK, PREFILL_CHUNK)
+        for begin in range(0, ids.numel(), step):
+            logits = self.verify(ids[begin:begin + step], cache)
+        return logits[-1:]
+
+    def prefills(self, tokens: torch.Tensor, cache: KVCache) -> bool:
+        """Whether `prefill` serves these tokens [1, T] at this cache: batch 1, a prompt of at
+        most PREFILL_MAX tokens that fits (longer ones go through the eager layers' matrix
+        products, which beat T virtual rows there)."""
+        n = tokens.shape[-1]
+        # longrope: a prompt from position 0 past the boundary takes the long factors at every
+        # position (rope.py, as transformers), where single steps use the short ones below it
+        boundary = getattr(self.model.rope, "boundary", None)
+        return (tokens.dim() == 2 and tokens.shape[0] == 1 and cache.batch == 1 and 0 < n <= PREFILL_MAX
+                and cache.length + n <= cache.capacity and self.supports(cache)
+                and not (boundary is not None and cache.length == 0 and n > boundary))
 
     def _step(self, ids: torch.Tensor, cache: KVCache, column: int, end: int, cache_rows: torch.Tensor | None = None,
               columns: torch.Tensor | None = None) -> torch.Tensor:
