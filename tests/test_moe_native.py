@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_native_decode import _step_by_step
+from test_native_families import step_with_unchosen_experts_poisoned
 
 from twice.core import kernels, native_decode
 from twice.core.cache import KVCache
@@ -221,40 +222,7 @@ def test_verify_equals_sequential_native_steps_bit_for_bit(qwen2moe, kind, threa
 def test_a_batch_1_step_reads_only_the_chosen_experts_and_the_shared_one(qwen2moe, monkeypatch):
     """Every routed expert eager routing does not choose for the step set to NaN: the native step
     gives eager's logits, finite (the shared expert is read on every step)."""
-    from twice.core import experts as experts_module
-
-    m = qwen2moe("f32")
-    native = NativeDecoder(m.model)
-    a, b = (KVCache(m.config, 1, 64, torch.float32, "cpu") for _ in range(2))
-    picks = []
-    route = experts_module.route
-
-    def recording(*args, **kwargs):
-        weights, chosen = route(*args, **kwargs)
-        picks.append(set(chosen.reshape(-1).tolist()))
-        return weights, chosen
-
-    sparse = [blk.mlp for blk in m.model.layers if isinstance(blk.mlp, SparseMoE)]
-    saved = [(mlp.experts.gate_up_proj.weight.clone(), mlp.experts.down_proj.weight.clone()) for mlp in sparse]
-    try:
-        with torch.inference_mode():
-            for c in (a, b):
-                m.model(torch.tensor([list(range(3, 20))]), c)
-            monkeypatch.setattr(experts_module, "route", recording)
-            want = m.model(torch.tensor([[42]]), a).float()
-            assert len(picks) == len(sparse) > 0
-            for mlp, chosen in zip(sparse, picks):
-                e = mlp.experts
-                assert len(chosen) < e.experts
-                for x in set(range(e.experts)) - chosen:
-                    e.gate_up_proj.weight[x * 2 * e.intermediate:(x + 1) * 2 * e.intermediate] = float("nan")
-                    e.down_proj.weight[x * e.hidden:(x + 1) * e.hidden] = float("nan")
-            got = native(torch.tensor([[42]]), b)
-    finally:
-        with torch.inference_mode():
-            for mlp, (gu, dn) in zip(sparse, saved):  # the module's model is shared by the other tests
-                mlp.experts.gate_up_proj.weight.copy_(gu)
-                mlp.experts.down_proj.weight.copy_(dn)
+    want, got = step_with_unchosen_experts_poisoned(qwen2moe("f32"), monkeypatch)
     assert torch.isfinite(got).all() and (got - want).abs().max() < 1e-4
 
 

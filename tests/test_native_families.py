@@ -174,36 +174,10 @@ def test_a_norm_decode_c_does_not_compute_keeps_the_model_eager(model_dirs):
 def test_a_batch_1_step_reads_only_the_chosen_experts(family_model, name, monkeypatch):
     """The experts eager routing chooses for one step, per layer; every other expert's rows
     set to NaN: the native step gives eager's logits, finite."""
-    from twice.core import experts as experts_module
-
     m = family_model(name)
     if not _runs_native(m):
         pytest.skip("not native yet")
-    native = NativeDecoder(m.model)
-    a, b = (KVCache(m.config, 1, 64, torch.float32, "cpu") for _ in range(2))
-    picks = []
-    route = experts_module.route
-
-    def recording(*args, **kwargs):
-        weights, chosen = route(*args, **kwargs)
-        picks.append(set(chosen.reshape(-1).tolist()))
-        return weights, chosen
-
-    with torch.inference_mode():
-        m.model(torch.tensor([list(range(3, 20))]), a)
-        m.model(torch.tensor([list(range(3, 20))]), b)
-        monkeypatch.setattr(experts_module, "route", recording)
-        want = m.model(torch.tensor([[42]]), a).float()
-        sparse = [blk.mlp for blk in m.model.layers if hasattr(blk.mlp, "experts")]
-        assert len(picks) == len(sparse) > 0
-        for mlp, chosen in zip(sparse, picks):
-            e = mlp.experts
-            assert len(chosen) < e.experts
-            for x in range(e.experts):
-                if x not in chosen:
-                    e.gate_up_proj.weight[x * 2 * e.intermediate:(x + 1) * 2 * e.intermediate] = float("nan")
-                    e.down_proj.weight[x * e.hidden:(x + 1) * e.hidden] = float("nan")
-        got = native(torch.tensor([[42]]), b)
+    want, got = step_with_unchosen_experts_poisoned(m, monkeypatch)
     assert torch.isfinite(got).all() and (got - want).abs().max() < 1e-4
 
 
@@ -238,3 +212,42 @@ def test_quantized_weights_run_natively_as_eager(model_dirs, name):
             gaps.append((la - lb).abs().max().item())
             tok = la.argmax(-1, keepdim=True)
     assert sum(g > 1e-4 for g in gaps) <= 1 and max(gaps) < 0.5, gaps
+
+
+def step_with_unchosen_experts_poisoned(m, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eager's, native's) logits of one step after the same prompt, with every expert that
+    eager routing did not choose for that step set to NaN before the native step (the weights
+    are put back afterwards: models may be shared between tests)."""
+    from twice.core import experts as experts_module
+
+    native = NativeDecoder(m.model)
+    a, b = (KVCache(m.config, 1, 64, torch.float32, "cpu") for _ in range(2))
+    picks, route = [], experts_module.route
+
+    def recording(*args, **kwargs):
+        weights, chosen = route(*args, **kwargs)
+        picks.append(set(chosen.reshape(-1).tolist()))
+        return weights, chosen
+
+    sparse = [blk.mlp for blk in m.model.layers if hasattr(blk.mlp, "experts")]
+    saved = [(mlp.experts.gate_up_proj.weight.clone(), mlp.experts.down_proj.weight.clone()) for mlp in sparse]
+    try:
+        with torch.inference_mode():
+            for c in (a, b):
+                m.model(torch.tensor([list(range(3, 20))]), c)
+            monkeypatch.setattr(experts_module, "route", recording)
+            want = m.model(torch.tensor([[42]]), a).float()
+            assert len(picks) == len(sparse) > 0
+            for mlp, chosen in zip(sparse, picks):
+                e = mlp.experts
+                assert len(chosen) < e.experts
+                for x in set(range(e.experts)) - chosen:
+                    e.gate_up_proj.weight[x * 2 * e.intermediate:(x + 1) * 2 * e.intermediate] = float("nan")
+                    e.down_proj.weight[x * e.hidden:(x + 1) * e.hidden] = float("nan")
+            got = native(torch.tensor([[42]]), b)
+    finally:
+        with torch.inference_mode():
+            for mlp, (gu, dn) in zip(sparse, saved):
+                mlp.experts.gate_up_proj.weight.copy_(gu)
+                mlp.experts.down_proj.weight.copy_(dn)
+    return want, got
