@@ -83,11 +83,10 @@ DECAY = 0.95  # weight of the past in the acceptance counts, per pass
 EMA = 0.3  # weight of a new time measurement
 CATCH_UP_NATIVE = 16  # a draft's catch-up of at most this many tokens: priced as that many draft steps
 # Where the native step runs a draft, what it feeds (its prefill, its catch-ups) goes through the
-# native virtual rows, at most this many a call: the 0.5B Q4_K_M's prefill of 81 tokens, 1 thread,
-# took 1.6-2.2 s so against 3.0-4.3 s through the eager layers (more than 64 rows leave the
-# integer kernel), 0.21-0.29 of a draft step a token: NATIVE_ROW_SHARE prices a prefill at least
-# that before the draft has measured its own (Draft.prefill_rate).
-NATIVE_CHUNK = 64
+# native virtual rows (NativeDecoder.prefill, native_decode.PREFILL_CHUNK a call): the 0.5B
+# Q4_K_M's prefill of 81 tokens, 1 thread, took 1.6-2.2 s so against 3.0-4.3 s through the eager
+# layers, 0.21-0.29 of a draft step a token: NATIVE_ROW_SHARE prices a prefill at least that before
+# the draft has measured its own (Draft.prefill_rate).
 NATIVE_ROW_SHARE = 0.3
 STEADY_CATCH_UP = 2  # a draft's catch-up after a verify pass: its last guess and the model's token
 MARGIN = 1.05  # drafting is chosen only where it is expected this much faster than plain steps
@@ -522,15 +521,14 @@ class Draft:
     def _logits(self, tokens: list[int], cache: KVCache | None = None) -> torch.Tensor:
         """Feed tokens at the cache's end; the last position's logits [V] float32. Where the
         native step runs the draft, several tokens (a catch-up, a prefill) go through its
-        virtual rows, NATIVE_CHUNK a call (the draft's proposals need not equal the eager
+        virtual rows, NativeDecoder.prefill (the draft's proposals need not equal the eager
         layers' bit for bit: the target verifies them)."""
         cache = cache if cache is not None else self.cache
         fast = self.fast if self.fast is not None and self.fast.supports(cache) else None
         if fast is not None and len(tokens) == 1:
             out = fast(torch.tensor([tokens], device=self.device), cache)
         elif fast is not None and cache.length + len(tokens) <= cache.capacity:
-            for begin in range(0, len(tokens), NATIVE_CHUNK):
-                out = fast.verify(torch.tensor(tokens[begin:begin + NATIVE_CHUNK], dtype=torch.int64), cache)[-1:]
+            out = fast.prefill(torch.tensor(tokens, dtype=torch.int64), cache)
         else:
             out = self.model(torch.tensor([tokens], device=self.device), cache)
         return out[0].float()

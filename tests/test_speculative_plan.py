@@ -281,7 +281,7 @@ def test_after_a_full_pass_a_k_that_does_not_pay_falls_back_to_the_best():
 
 # -- the draft's prefill through the native virtual rows -----------------------------------------
 def test_a_native_draft_prefills_in_chunks_and_measures_its_rate(model_dirs, one_thread, monkeypatch):
-    """A 150-token text: fed as native calls of at most NATIVE_CHUNK rows (not the eager
+    """A 150-token text: fed as native calls of at most PREFILL_CHUNK rows (not the eager
     layers), the rate of that prefill kept for the next plan."""
     from twice.core.sampling import Sampler, SamplingParams
     from twice.weights.load import load
