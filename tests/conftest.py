@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,27 +10,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One folder for the native kernels of the whole run, set before collection: modules ask
+# kernels.available() while they are imported (skip marks), and that first build must land
+# where every test and every process the tests start will look, never in the user's cache
+# (it did: each run then built the kernels twice, the second time inside the first test
+# that started a process, ~12 s or far more on a busy machine).
+KERNELS_CACHE = tempfile.mkdtemp(prefix="twice-test-kernels-")
+os.environ["TWICE_KERNELS_CACHE"] = KERNELS_CACHE
 
 import tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _kernels_built(tmp_path_factory):
+def _kernels_built():
     """The native kernels built once, first: every test's processes share the library
     (_isolated_cache points them at it), and a test that starts a process with a time limit
     (waiting for a line, a signal sent while it loads) must not pay for the build — with every
     kernel source it takes 15-20 s on a quiet 2-core machine, far more when it is busy."""
-    folder = str(tmp_path_factory.getbasetemp() / "twice-kernels")
-    before = os.environ.get("TWICE_KERNELS_CACHE")
-    os.environ["TWICE_KERNELS_CACHE"] = folder
     from twice.core import kernels
 
     kernels.available()
     yield
-    if before is None:
-        os.environ.pop("TWICE_KERNELS_CACHE", None)
-    else:
-        os.environ["TWICE_KERNELS_CACHE"] = before
+    shutil.rmtree(KERNELS_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +71,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TWICE_CACHE", str(tmp_path_factory.getbasetemp() / "twice-cache"))
     # One build of the native kernels for the whole run, also for the processes tests start
     # with caches of their own (a build of every kernel source costs several seconds).
-    monkeypatch.setenv("TWICE_KERNELS_CACHE", str(tmp_path_factory.getbasetemp() / "twice-kernels"))
+    monkeypatch.setenv("TWICE_KERNELS_CACHE", KERNELS_CACHE)
     # The tests compare against transformers in float32; what `--dtype auto` means on a CPU
     # depends on its instruction set, so it is pinned here (test_device.py tests the choice).
     monkeypatch.setenv("TWICE_CPU_AUTO_DTYPE", "float32")

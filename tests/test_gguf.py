@@ -197,6 +197,15 @@ def transformers_from_gguf(folder: Path, name: str, monkeypatch) -> LlamaForCaus
         import transformers.modeling_utils
 
         monkeypatch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+    # transformers parses the file's metadata twice (config, then weights) and builds gguf's
+    # tensor-name map once per tensor: ~10 s of the real SmolLM2 load. Reading the file once
+    # and building each map once changes nothing of what it computes.
+    readers, maps = {}, {}
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a: readers.get(str(path)) or
+                        readers.setdefault(str(path), reader(path, *a)))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, n: maps.get((arch, n)) or
+                        maps.setdefault((arch, n), name_map(arch, n)))
     return AutoModelForCausalLM.from_pretrained(
         str(folder), gguf_file=name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
     ).eval()

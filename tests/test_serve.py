@@ -69,7 +69,7 @@ class Server:
 
 def _env(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
-    return {**os.environ, "TWICE_CACHE": str(base / "twice-cache"), "TWICE_KERNELS_CACHE": str(base / "twice-kernels"),
+    return {**os.environ, "TWICE_CACHE": str(base / "twice-cache"),
             "TWICE_CPU_AUTO_DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
 
 
