@@ -30,7 +30,8 @@ static int is_legacy(int t) { return t == QT_Q4_0 || t == QT_Q4_1 || t == QT_Q5_
 static int is_kquant(int t) { return t >= QT_Q2_K && t <= QT_Q6_K; }
 static int is_float(int t) { return t == QT_F32 || t == QT_F16 || t == QT_BF16; }
 /* A 32-value type's interleaved layout (qdot.h QT_X8), and a type id without it. */
-static int is_x8(int t) { return t >= QT_X8 && is_legacy(t - QT_X8); }
+static int is_x8_able(int t) { return is_legacy(t) || t == QT_Q4_K; } /* Q4_K: qdot_kquants.c */
+static int is_x8(int t) { return t >= QT_X8 && is_x8_able(t - QT_X8); }
 static int base_type(int t) { return is_x8(t) ? t - QT_X8 : t; }
 
 int64_t q_row_bytes(int type, int64_t n) {
@@ -213,7 +214,8 @@ AVX2_FLOAT_TILE(QT_BF16, avx2_bf16)
 #endif
 
 static qtile_fn tile_for(int type, int reference) {
-    if (is_x8(type)) return twq_x8_tile(base_type(type), reference);
+    if (is_x8(type)) return is_kquant(base_type(type)) ? twq_kx8_tile(base_type(type), reference)
+                                                       : twq_x8_tile(base_type(type), reference);
     if (is_legacy(type)) return twq_legacy_tile(type, reference);
     if (is_kquant(type)) return twq_kquant_tile(type, reference);
 #ifdef __AVX2__
@@ -273,20 +275,21 @@ void q_dequantize_at(int type, const void *w, int64_t first, int64_t nrows, int6
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t at = first + r;
         float *o = out + r * n;
-        if (x8) twq_x8_dequantize_row(t, W + at / 8 * 8 * wb, (int)(at % 8), n, o);
+        if (x8 && is_kquant(t)) twq_kx8_dequantize_row(t, W + at / 8 * 8 * wb, (int)(at % 8), n, o);
+        else if (x8) twq_x8_dequantize_row(t, W + at / 8 * 8 * wb, (int)(at % 8), n, o);
         else if (is_legacy(t)) twq_legacy_dequantize(t, W + at * wb, n, o);
         else if (is_kquant(t)) twq_kquant_dequantize(t, W + at * wb, n, o);
         else for (int64_t i = 0; i < n; i++) o[i] = float_weight(t, W + at * wb, i);
     }
 }
 
-/* Rows [0, rows) of a 32-value type `type` (its own id) rewritten in place into the x8 layout
+/* Rows [0, rows) of a 32-value type or Q4_K `type` (its own id) rewritten in place into the x8 layout
  * (rows: whole groups of 8); 0, or -1 for another type or shape, -2 where a group's buffer
  * could not be allocated (w then untouched or partly rewritten: the caller refuses the
  * model). */
 int q_interleave(int type, void *w, int64_t rows, int64_t n, int threads) {
     const int64_t wb = q_row_bytes(type, n);
-    if (!is_legacy(type) || wb < 0 || rows < 0 || rows % 8) return -1;
+    if (!is_x8_able(type) || wb < 0 || rows < 0 || rows % 8) return -1;
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -300,7 +303,8 @@ int q_interleave(int type, void *w, int64_t rows, int64_t n, int threads) {
             if (!tmp) continue;
             uint8_t *group = (uint8_t *)w + 8 * g * wb;
             memcpy(tmp, group, 8 * wb);
-            twq_x8_interleave_group(type, tmp, n, group);
+            if (is_kquant(type)) twq_kx8_interleave_group(type, tmp, n, group);
+            else twq_x8_interleave_group(type, tmp, n, group);
         }
         free(tmp);
     }

@@ -10,6 +10,8 @@
  * activation rows; each row keeps its own accumulators, summed in the same order whatever
  * the tile's size. The scalar reference computes the same integers per super-block.
  */
+#include <math.h>
+
 #include "qdot.h"
 
 #define K_D(x, n) ((const float *)((x) + (n)))
@@ -315,4 +317,186 @@ int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
         }
     }
     return 0;
+}
+
+/* ---- Q4_K in the interleaved 8-row layout (x8: core/quant/interleave.py) ---------------
+ * A group of 8 rows, super-block by super-block (8·144 = 1152 bytes each): d[8] | dmin[8]
+ * (fp16, rows 0..7) | the 12 packed scale bytes byte-major (byte 32 + 8j + i: row i's byte
+ * j) | the quants in runs of 32 bytes, run c (0..31) = bytes 4c..4c+3 of rows 0..7 (so
+ * `& 0x0f` gives values 64(c/8) + 4(c%8).. of every row, `>> 4` the same + 32).
+ * Per (activation row, sub-block of 32 values) 8 integer dot products (dpbusd, a 4-byte
+ * broadcast of the activation) give the 8 weight rows' unscaled sums in 8 int32 lanes;
+ * one multiply by the rows' scales per sub-block, the mins through the activation's block
+ * sums, and per super-block one conversion and two fused multiply-adds serve 8 rows:
+ * row i accumulates acc = fma(d_x·d_i, isum, acc); acc = fma(-(d_x·dmin_i), imin, acc)
+ * with isum = Σ sc·q·x and imin = Σ mn·bsum the exact integers of the reference
+ * (llama.cpp's repacked block_q4_Kx8 works alike). The result differs from the rows as
+ * stored only by float rounding (their AVX2 tile sums 8 lanes per row); a row's result is
+ * the same in any tile (batch invariance). */
+#define KX8_B (8 * 144)
+
+/* Row i's super-block as stored, from super-block `blk` of an x8 group. */
+static void kx8_block(const uint8_t *blk, int i, uint8_t out[144]) {
+    memcpy(out, blk + 2 * i, 2);
+    memcpy(out + 2, blk + 16 + 2 * i, 2);
+    for (int j = 0; j < 12; j++) out[4 + j] = blk[32 + 8 * j + i];
+    for (int c = 0; c < 32; c++) memcpy(out + 16 + 4 * c, blk + 128 + 32 * c + 4 * i, 4);
+}
+
+/* One group of 8 Q4_K rows as stored (`in`) → the x8 layout (`out`, not overlapping). */
+int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out) {
+    if (type != QT_Q4_K || n % QKK) return -1;
+    const int64_t nb = n / QKK, row_bytes = nb * 144;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *o = out + b * KX8_B;
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *blk = in + i * row_bytes + b * 144;
+            memcpy(o + 2 * i, blk, 2);
+            memcpy(o + 16 + 2 * i, blk + 2, 2);
+            for (int j = 0; j < 12; j++) o[32 + 8 * j + i] = blk[4 + j];
+            for (int c = 0; c < 32; c++) memcpy(o + 128 + 32 * c + 4 * i, blk + 16 + 4 * c, 4);
+        }
+    }
+    return 0;
+}
+
+int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out) {
+    if (type != QT_Q4_K || i < 0 || i >= 8) return -1;
+    uint8_t tmp[144];
+    for (int64_t b = 0; b < n / QKK; b++) {
+        kx8_block(group + b * KX8_B, i, tmp);
+        twq_kquant_dequantize(type, tmp, QKK, out + b * QKK);
+    }
+    return 0;
+}
+
+#ifdef __FMA__
+#define KX8_FMA(a, b, c) fmaf((a), (b), (c))
+#else
+#define KX8_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+static void ref_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *xr = x + r * xs;
+        const int8_t *xq = (const int8_t *)xr;
+        const float *xd = K_D(xr, n);
+        const int16_t *bsums = K_BSUMS(xr, n);
+        for (int i = 0; i < 8; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t tmp[144];
+                int q[QKK], sc[16], mn[16];
+                float d, dmin;
+                kx8_block(w + b * KX8_B, i, tmp);
+                kquant_block(QT_Q4_K, tmp, q, sc, mn, &d, &dmin);
+                int32_t isum = 0, imin = 0;
+                for (int s = 0; s < 16; s++) {
+                    int32_t t = 0;
+                    for (int l = 0; l < 16; l++) t += q[16 * s + l] * xq[b * QKK + 16 * s + l];
+                    isum += sc[s] * t;
+                    imin += mn[s] * bsums[b * 16 + s];
+                }
+                acc = KX8_FMA(xd[b] * d, (float)isum, acc);
+                acc = KX8_FMA(-(xd[b] * dmin), (float)imin, acc);
+            }
+            y[r * ldy + i] = acc;
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) void tile_kx8(const int NR, const uint8_t *w, const uint8_t *x,
+                                                           int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    const __m256i low = _mm256_set1_epi8(0x0f), m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_B;
+        for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        /* the 8 rows' scales and mins, byte [8k + i] = row i's of sub-block k (4k..: A, B, C) */
+        const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
+        const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        uint8_t sm[64]; /* scales of sub-blocks 0..7, then mins of 0..7: 8 rows each */
+        _mm256_storeu_si256((__m256i *)sm, _mm256_and_si256(A, m63));
+        _mm256_storeu_si256((__m256i *)(sm + 32),
+                            _mm256_or_si256(_mm256_and_si256(C, low), _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+        uint8_t mn[64];
+        _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+        _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                                  _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+        __m256i isum[4], imin[4];
+        for (int r = 0; r < NR; r++) isum[r] = imin[r] = _mm256_setzero_si256();
+        /* mins: int32 lane i = mn_i[2k] | mn_i[2k+1] << 16, against (bsum32[2k], bsum32[2k+1]) */
+        for (int k = 0; k < 4; k++) {
+            const __m128i t = _mm_loadu_si128((const __m128i *)(mn + 16 * k));
+            const __m256i mp = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(t, _mm_srli_si128(t, 8)));
+            for (int r = 0; r < NR; r++) {
+                const int16_t *bs = K_BSUMS(x + r * xs, n) + 16 * b + 4 * k;
+                const uint32_t word = (uint16_t)(bs[0] + bs[1]) | (uint32_t)(uint16_t)(bs[2] + bs[3]) << 16;
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mp, _mm256_set1_epi32((int)word)));
+            }
+        }
+        for (int k = 0; k < 4; k++) { /* sub-blocks 2k (low nibbles) and 2k + 1 (high) */
+            __m256i s[4], t[4];
+            for (int r = 0; r < NR; r++) s[r] = t[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * (8 * k + j)));
+                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) { /* 16-byte loads + in-lane shuffles (the load pipes bind) */
+                    const uint8_t *xb = x + r * xs + b * QKK + 64 * k + 16 * (j / 4);
+                    const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                    const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 32)));
+                    __m256i al, ah;
+                    switch (j % 4) {
+                    case 0: al = _mm256_shuffle_epi32(xl, 0x00); ah = _mm256_shuffle_epi32(xh, 0x00); break;
+                    case 1: al = _mm256_shuffle_epi32(xl, 0x55); ah = _mm256_shuffle_epi32(xh, 0x55); break;
+                    case 2: al = _mm256_shuffle_epi32(xl, 0xaa); ah = _mm256_shuffle_epi32(xh, 0xaa); break;
+                    default: al = _mm256_shuffle_epi32(xl, 0xff); ah = _mm256_shuffle_epi32(xh, 0xff); break;
+                    }
+                    s[r] = qd_dot_u8s8(s[r], lo, al);
+                    t[r] = qd_dot_u8s8(t[r], hi, ah);
+                }
+            }
+            const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 16 * k)));
+            const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 16 * k + 8)));
+            for (int r = 0; r < NR; r++)
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(s[r], sl),
+                                                                     _mm256_mullo_epi32(t[r], sh)));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int r = 0; r < NR; r++) {
+            const __m256 dx = _mm256_set1_ps(K_D(x + r * xs, n)[b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, mw), _mm256_cvtepi32_ps(imin[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    switch (nr) {
+    case 4: tile_kx8(4, w, x, xs, n, y, ldy); return;
+    case 3: tile_kx8(3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8(2, w, x, xs, n, y, ldy); return;
+    default: tile_kx8(1, w, x, xs, n, y, ldy); return;
+    }
+}
+#endif
+
+/* The x8 tiles of a K type (`type`: its own id; Q4_K only): 8 weight rows × 1–4 activation
+ * rows, y[r·ldy + i] for i < 8. */
+qtile_fn twq_kx8_tile(int type, int reference) {
+    if (type != QT_Q4_K) return 0;
+#ifdef __AVX2__
+    if (!reference) return avx2_kx8_q4_k;
+#endif
+    (void)reference;
+    return ref_kx8_q4_k;
 }

@@ -1,4 +1,5 @@
-"""The interleaved 8-row layout ("x8") of the 32-value block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0).
+"""The interleaved 8-row layout ("x8") of the 32-value block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0)
+and of Q4_K (its 256-value super-blocks as blocks; qdot_kquants.c).
 
 A layout, not a type: the same bytes as the rows as stored (memory unchanged), rearranged so
 that the native kernels (core/kernels/qdot_legacy.c) get one int32 lane per weight row out of
@@ -33,6 +34,9 @@ _FIELDS = {
     "Q5_0": (22, ((0, 2), (2, 4)), 6),
     "Q5_1": (24, ((0, 2), (2, 2), (4, 4)), 8),
     "Q8_0": (34, ((0, 2),), 2),
+    # Q4_K (per 256-value super-block): d[8] | dmin[8] | the 12 packed scale bytes byte-major
+    # (byte j of rows 0..7, j = 0..11) | 32 runs of 4 quant bytes (qdot_kquants.c's x8 tile)
+    "Q4_K": (144, ((0, 2), (2, 2)) + tuple((4 + j, 1) for j in range(12)), 16),
 }
 TYPES = frozenset(_FIELDS)
 
@@ -40,7 +44,17 @@ TYPES = frozenset(_FIELDS)
 def eligible(codec, rows: int) -> bool:
     """Whether a part of `rows` rows of `codec` can be interleaved (a 32-value type as stored,
     whole groups of 8 rows)."""
-    return codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
+    return (codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
+            and (codec.name != "Q4_K" or _native_step_takes(codec.ggml_type + X8)))
+
+
+def _native_step_takes(ggml_type: int) -> bool:
+    """Whether the native decode step multiplies this layout (core/native_decode.py's
+    BLOCK_TYPES): a K type's x8 layout is applied only where it does, so a model never
+    leaves the native step for it."""
+    from ..native_decode import BLOCK_TYPES
+
+    return ggml_type in BLOCK_TYPES
 
 
 def interleaved(codec):

@@ -1,0 +1,189 @@
+"""Q4_K in the interleaved 8-row layout (core/quant/interleave.py, the x8 tile of
+core/kernels/qdot_kquants.c): the same values as the rows as stored through every reader, the
+AVX2 tile the scalar x8 reference's bits (with FMA in the build), within float rounding of the
+rows as stored, batch invariant, and a Q4_K model's native step tracks the rows as stored."""
+
+import platform
+
+import pytest
+import torch
+from test_quant import _random_blocks
+from tiny import cpu_flags, save_tokenizer
+
+from twice.core import kernels, native_decode, quant
+from twice.core.cache import KVCache
+from twice.core.native_decode import NativeDecoder, supported
+from twice.core.qweight import BlockWeight, Part, _Blocks
+from twice.core.quant import interleave as x8
+from twice.weights.load import load
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: no native kernels, no interleaving")
+
+Q4_K = quant.codec("Q4_K")
+X8_TYPE = Q4_K.ggml_type + x8.X8
+
+
+def _case(out, blocks, rows, seed):
+    data = torch.from_numpy(_random_blocks("Q4_K", out, blocks, seed))
+    g = torch.Generator().manual_seed(900 + seed)
+    x = torch.randn(rows, blocks * 256, generator=g) * torch.rand(rows, 1, generator=g) * 2
+    return data, x
+
+
+@pytest.fixture
+def native_takes_q4k_x8(monkeypatch):
+    """The native step's block types with Q4_K's x8 layout (a no-op once native_decode lists it)."""
+    monkeypatch.setattr(native_decode, "BLOCK_TYPES", native_decode.BLOCK_TYPES | {X8_TYPE})
+
+
+@pytest.mark.parametrize("out,blocks", [(8, 1), (16, 3), (40, 2)])
+def test_layout_round_trip_and_dequantize(out, blocks):
+    """interleave → deinterleave gives the bytes back; q_interleave (in place) writes the torch
+    layout; the torch reference and the native dequantizer (whole, any row range) equal the
+    rows as stored bit for bit."""
+    data, _ = _case(out, blocks, 1, seed=out + blocks)
+    il = x8.interleave(data, "Q4_K")
+    assert il.shape == data.shape and not torch.equal(il, data)
+    assert torch.equal(x8.deinterleave(il, "Q4_K"), data)
+    mine = data.clone()
+    assert kernels.interleave_rows(mine, Q4_K.ggml_type, blocks * 256) and torch.equal(mine, il)
+    cx = x8.interleaved(Q4_K)
+    assert (cx.name, cx.ggml_type, cx.rows_per_group) == ("Q4_K", X8_TYPE, 8) and x8.base(cx) == Q4_K
+    ref = quant.dequantize(data, "Q4_K")
+    assert torch.equal(x8.dequantize_part(il, cx), ref)
+    n = blocks * 256
+    assert torch.equal(kernels.dequantize_rows(il, X8_TYPE, n), ref)
+    for lo, hi in [(0, 1), (3, 5), (5, 13 if out > 8 else 8), (out - 1, out)]:
+        assert torch.equal(kernels.dequantize_rows(il, X8_TYPE, n, start=lo, stop=hi), ref[lo:hi]), (lo, hi)
+
+
+def test_x8_tile_against_reference_and_rows_as_stored():
+    """The SIMD x8 tile gives the scalar x8 reference's bits (the same integers, the same fused
+    multiply-adds), and is within 1e-5·Σ|w||x| of the rows as stored (their AVX2 tile sums 8
+    lanes a row) and of the float product."""
+    data, x = _case(48, 5, 19, seed=20)
+    il = x8.interleave(data, "Q4_K")
+    got = kernels.quant_matmul(x, il, X8_TYPE)
+    ref = kernels.quant_matmul(x, il, X8_TYPE, reference=True)
+    if "fma" in cpu_flags():
+        assert torch.equal(got, ref)
+    stored = kernels.quant_matmul(x, data, Q4_K.ggml_type)
+    scale = x.abs() @ quant.dequantize(data, "Q4_K").abs().T
+    assert ((got - ref).abs() <= 1e-5 * scale + 1e-30).all()
+    assert ((got - stored).abs() <= 1e-5 * scale + 1e-30).all()
+    assert ((got - x @ quant.dequantize(data, "Q4_K").T).abs() <= 2e-2 * scale + 1e-6).all()
+
+
+def test_x8_is_batch_invariant():
+    """Every activation row's result is the same bits alone as in any batch of 2..19 rows, on
+    1 and 2 threads."""
+    data, x = _case(40, 3, 19, seed=40)
+    il = x8.interleave(data, "Q4_K")
+    alone = torch.cat([kernels.quant_matmul(x[r:r + 1], il, X8_TYPE) for r in range(19)])
+    threads = torch.get_num_threads()
+    try:
+        for rows in range(2, 20):
+            torch.set_num_threads(1 + rows % 2)
+            assert torch.equal(kernels.quant_matmul(x[:rows], il, X8_TYPE), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_not_a_multiple_of_8_stay_as_stored(native_takes_q4k_x8):
+    """12 rows are not eligible (a group is whole); the kernel refuses them in the x8 layout;
+    a BlockWeight of an x8 part and a part as stored multiplies and dequantizes as stored."""
+    assert not x8.eligible(Q4_K, 12) and x8.eligible(Q4_K, 16)
+    data, x = _case(12, 2, 3, seed=3)
+    with pytest.raises(ValueError, match="whole groups of 8"):
+        kernels.quant_matmul(x, data, X8_TYPE)
+    with pytest.raises(ValueError, match="whole groups"):
+        x8.interleave(data, "Q4_K")
+    d16, _ = _case(16, 2, 1, seed=4)
+    stored = BlockWeight([Part(Q4_K, 16, d16), Part(Q4_K, 12, data)], 512)
+    mixed = BlockWeight([Part(x8.interleaved(Q4_K), 16, x8.interleave(d16, "Q4_K")), Part(Q4_K, 12, data)], 512)
+    assert torch.equal(mixed.dequantize(), stored.dequantize())
+    assert torch.equal(mixed.dequantize(start=10, stop=20), stored.dequantize(start=10, stop=20))
+    scale = x.abs() @ stored.dequantize().abs().T
+    assert ((mixed.matmul(x) - stored.matmul(x)).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+def test_not_applied_where_the_native_step_does_not_take_it(monkeypatch):
+    """Until the native step lists Q4_K's x8 layout, loading keeps Q4_K rows as stored (a model
+    never leaves the native step for the layout)."""
+    monkeypatch.setattr(native_decode, "BLOCK_TYPES", native_decode.BLOCK_TYPES - {X8_TYPE})
+    assert not x8.eligible(Q4_K, 16) and x8.eligible(quant.codec("Q4_0"), 16)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, tokenizer):
+    """A tiny llama whose every matrix is 256 values wide (Q4_K's super-block)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("wide-llama")
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.08, bos_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    save_tokenizer(folder, tokenizer)
+    return folder
+
+
+@pytest.mark.slow  # makes and quantizes a model (seconds)
+def test_a_q4_k_model_native_step_tracks_the_rows_as_stored(wide_llama, native_takes_q4k_x8, monkeypatch):
+    """load(weights="q4_k") interleaves every Q4_K part; the native step stays available, tracks
+    the eager decode of the same model, and its greedy tokens are TWICE_INTERLEAVE=0's."""
+    monkeypatch.setenv("TWICE_INTERLEAVE", "0")
+    stored = load(str(wide_llama), device="cpu", dtype="float32", weights="q4_k")
+    monkeypatch.setenv("TWICE_INTERLEAVE", "1")
+    m = load(str(wide_llama), device="cpu", dtype="float32", weights="q4_k")
+    layouts = {(c.name, c.rows_per_group) for _, mod in m.model.named_modules() if isinstance(mod, _Blocks)
+               for c in mod.codecs}
+    assert ("Q4_K", 8) in layouts and ("Q4_K", 1) not in layouts, layouts
+    assert all(c.rows_per_group == 1 for mod in stored.model.modules() if isinstance(mod, _Blocks) for c in mod.codecs)
+    assert supported(m.model) and supported(stored.model)
+    runs, last = {}, {}
+    for label, model in (("x8", m), ("stored", stored)):
+        native = NativeDecoder(model.model)
+        a, b = (KVCache(model.config, 1, 64, torch.float32, "cpu") for _ in range(2))
+        ids = torch.tensor([list(range(3, 20))])
+        tokens, worst, scale = [], 0.0, 0.0
+        with torch.inference_mode():
+            model.model(ids, a)
+            model.model(ids, b)
+            tok = torch.tensor([[42]])
+            for _ in range(12):
+                la, lb = model.model(tok, a).float(), native(tok, b)
+                worst = max(worst, (la - lb).abs().max().item())
+                scale = max(scale, la.abs().max().item())
+                tok = lb.argmax(-1, keepdim=True)
+                tokens.append(int(tok))
+            last[label] = lb
+        runs[label] = tokens
+        assert worst < 0.05 * scale, (label, worst, scale)
+    assert runs["x8"] == runs["stored"]
+    assert (last["x8"] - last["stored"]).abs().max() <= 1e-3 * last["stored"].abs().max()
+
+
+@pytest.mark.slow  # builds the kernels twice for older CPUs (seconds)
+def test_older_builds_compute_the_same():
+    """x86-64-v3 (AVX2, FMA, no VNNI: maddubs for dpbusd) gives this build's bits; x86-64-v2
+    (the scalar x8 reference is the production path) dequantizes the same bits and multiplies
+    within rounding, batch invariant."""
+    if platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 CPU")
+    data, x = _case(24, 3, 7, seed=60)
+    il = x8.interleave(data, "Q4_K")
+    mine = kernels.quant_matmul(x, il, X8_TYPE)
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
+        v3 = kernels._build(march="x86-64-v3")
+        assert v3 is not None and v3.q_gemm_simd(X8_TYPE)
+        for rows in (1, 2, 3, 4, 7):
+            assert torch.equal(kernels.quant_matmul(x[:rows], il, X8_TYPE, lib=v3), mine[:rows]), rows
+    v2 = kernels._build(march="x86-64-v2")
+    assert v2 is not None and not v2.q_gemm_simd(X8_TYPE)
+    assert torch.equal(kernels.dequantize_rows(il, X8_TYPE, 768, lib=v2), quant.dequantize(data, "Q4_K"))
+    theirs = kernels.quant_matmul(x, il, X8_TYPE, lib=v2)
+    scale = x.abs() @ quant.dequantize(data, "Q4_K").abs().T
+    assert ((theirs - mine).abs() <= 1e-5 * scale + 1e-30).all()
+    assert torch.equal(theirs, torch.cat([kernels.quant_matmul(x[r:r + 1], il, X8_TYPE, lib=v2) for r in range(7)]))
