@@ -29,6 +29,12 @@ time over rows × the one-row call's (1/that is the batch's speedup per row):
     python scripts/kernel_bench.py --quant Q4_1,Q8_0,Q5_0 --quant-shapes 576x1536,1536x576,49152x576,896x4864 \
         --threads 1 --rows 1,4,16 --cpu-time --x8 --rounds 5
 
+With --against as well, the x8 layout of this build against REV's (paired rounds), beside the
+int8 multiply-add peak (core/kernels/peak.c):
+
+    python scripts/kernel_bench.py --quant Q4_1,Q8_0 --quant-shapes 576x1536,49152x576 --threads 1 \
+        --rows 1,4,16 --cpu-time --x8 --against HEAD --rounds 3
+
 --step [MODEL] times a whole native decode step (default model: SmolLM2) at --rows, x8 against
 rows as stored (two loads), paired rounds: the 16-row step over the 1-row step is what
 `twice serve`'s batching can gain:
@@ -279,10 +285,18 @@ def quant_main(args, lib) -> None:
     print(f"quantized weights, {args.threads} threads (q_gemm; prepare = q_prepare of the activations)"
           + (", thread CPU time" if args.cpu_time else "") + f"; load average {os.getloadavg()[0]:.1f}")
     print(f"read bandwidth (twice bench's roofline, torch sum): {read_bandwidth():.1f} GB/s")
-    if args.x8:
+    if args.x8 and not args.against:
         x8_main(args, lib, clock)
         return
     other = build_qdot_at(args.against) if args.against else None
+    x8 = 0
+    if args.x8:  # --x8 --against: the interleaved layout of both builds
+        from twice.core.quant import interleave
+
+        x8 = interleave.X8
+        peak = kernels.peak_macs(torch.int8, args.threads) or 0
+        print(f"x8 layout of both builds; int8 peak (u8·s8 multiply-adds), {args.threads} threads: "
+              f"{peak / 1e9:.1f} GMAC/s")
     if other is not None:
         print(f"against {args.against}: paired alternating rounds ({args.rounds}); 'then' = {args.against}'s time")
         print(f"{'type':6} {'out × in':>13} {'rows':>4} {'time':>9} {'then':>9} {'speedup':>7} {'GMAC/s':>7} "
@@ -299,7 +313,11 @@ def quant_main(args, lib) -> None:
             base = None
             for rows in map(int, args.rows.split(",")):
                 if other is not None:
-                    s, then = paired_quant(lib, other, c.ggml_type, out, n, rows, args.threads, args.rounds, clock)
+                    if x8 and out % 8:
+                        print(f"{c.name:6} {out:>6} × {n:<5}  (no x8 layout for this shape: skipped)")
+                        break
+                    s, then = paired_quant(lib, other, c.ggml_type + x8, out, n, rows, args.threads, args.rounds,
+                                           clock)
                 else:
                     s, p = time_quant(lib, c.ggml_type, out, n, rows, args.threads, clock=clock)
                 base = base or s
@@ -317,7 +335,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
     p.add_argument("--quant-shapes", default="576x1536,896x4864")
-    p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side")
+    p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side (with --x8: both x8)")
     p.add_argument("--rounds", type=int, default=5, help="with --against or --x8: paired rounds")
     p.add_argument("--x8", action="store_true",
                    help="with --quant: the interleaved 8-row layout against the rows as stored (32-value types)")

@@ -6,6 +6,7 @@ stored, batch invariant, and a model decodes the same tokens either way."""
 import pytest
 import torch
 from test_quant import _random_blocks
+from tiny import cpu_flags
 
 from twice.core import kernels, quant
 from twice.core.cache import KVCache
@@ -81,6 +82,27 @@ def test_x8_is_batch_invariant(name):
             assert torch.equal(kernels.quant_matmul(x[:rows], il, cx.ggml_type), alone[:rows]), rows
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_x8_tile_is_the_scalar_reference_bit_for_bit(name):
+    """Integer sums are exact and the float steps the same (fma(d·d_x, isum, acc) block after
+    block), so the SIMD x8 tile (VNNI's dpbusd where the CPU has it, else AVX2's maddubs) is the
+    scalar reference's bits at every tile size (1..4 activation rows), with all-zero, full-scale
+    and one-sign activation blocks (Q8_0's w + 128 offset, Q4_0/Q5_0's offsets at their extremes)."""
+    if "fma" not in cpu_flags():
+        pytest.skip("the reference rounds as the tile only where the build has FMA")
+    c, data, x = _case(name, 24, 6, 7, seed=90 + TYPES.index(name))
+    x[0, :32] = 0.0
+    x[1, 32:64] = 1.0
+    x[2, 64:96] = -torch.arange(32.0)
+    cx, il = x8.interleaved(c), x8.interleave(data, name)
+    for rows in (1, 2, 3, 4, 7):
+        got = kernels.quant_matmul(x[:rows], il, cx.ggml_type)
+        assert torch.equal(got, kernels.quant_matmul(x[:rows], il, cx.ggml_type, reference=True)), rows
+    flags = cpu_flags()
+    if {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
+        assert kernels.library().twq_x8_vnni() == 1
 
 
 def test_x8_needs_whole_groups():
@@ -248,6 +270,24 @@ def test_the_portable_build_computes_the_same():
         assert ((theirs - kernels.quant_matmul(x, il, cx.ggml_type)).abs() <= 1e-5 * scale + 1e-30).all(), name
         alone = torch.cat([kernels.quant_matmul(x[r:r + 1], il, cx.ggml_type, lib=lib) for r in range(6)])
         assert torch.equal(theirs, alone), name
+
+
+@pytest.mark.slow  # builds the kernels for an older CPU (seconds)
+def test_the_avx2_build_is_the_same_bits():
+    """x86-64-v3 (AVX2, FMA, no VNNI: the maddubs x8 tile) gives this build's bits (on a CPU
+    with VNNI: the dpbusd tile's) for every type and tile size."""
+    import platform
+
+    if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    lib = kernels._build(march="x86-64-v3")
+    assert lib is not None and lib.twq_x8_vnni() == 0
+    for name in TYPES:
+        c, data, x = _case(name, 40, 9, 7, seed=100 + TYPES.index(name))
+        cx, il = x8.interleaved(c), x8.interleave(data, name)
+        for rows in (1, 2, 3, 4, 7):
+            theirs = kernels.quant_matmul(x[:rows], il, cx.ggml_type, lib=lib)
+            assert torch.equal(theirs, kernels.quant_matmul(x[:rows], il, cx.ggml_type)), (name, rows)
 
 
 @pytest.mark.parametrize("name", TYPES)

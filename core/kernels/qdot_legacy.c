@@ -411,6 +411,80 @@ static inline __m256i x8_high_bits(__m256i qh, const int c) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
 }
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define X8_VNNI 1
+/* VNNI (dpbusd: Σ of 4 u8·s8 products into an int32 lane, one instruction for maddubs + madd
+ * + add): per run, one dpbusd per activation row, its 4 bytes broadcast from memory (a load,
+ * no shuffle). Q8_0's signed weights as w + 128 (xor 0x80, once per run for all rows), the
+ * 128·Σx_q that adds taken back by starting the row's sum at 8·(-16·Σx_q) (the prepared row's
+ * Q5_0 offset); Q4_0/Q5_0's sums start at their offsets. Integer sums are exact, so isum and
+ * everything after it are the AVX2 tile's (and the scalar reference's) bits. Two sums per
+ * row (even and odd runs, or low and high nibbles) halve the dpbusd chain. */
+static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
+                                                          const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                          int64_t ldy) {
+    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
+    const int five = T == QT_Q5_0 || T == QT_Q5_1;
+    const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
+    const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
+    const int64_t nb = n / QK;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[4], accm[4];
+    for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * B;
+        for (int l = 0; l < B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        __m256i s[4], t[4];
+        for (int r = 0; r < NR; r++) {
+            const int32_t *off = LEGACY_OFF(x + r * xs, n) + 2 * b;
+            t[r] = _mm256_setzero_si256();
+            if (has_off) s[r] = bcast4((const uint8_t *)(off + (T == QT_Q5_0)));
+            else if (T == QT_Q8_0) s[r] = _mm256_slli_epi32(bcast4((const uint8_t *)(off + 1)), 3);
+            else s[r] = _mm256_setzero_si256();
+        }
+        if (T == QT_Q8_0) {
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c)),
+                                                    _mm256_set1_epi8((char)0x80));
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c + 32)),
+                                                    _mm256_set1_epi8((char)0x80));
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *xb = x + r * xs + b * QK + 4 * c;
+                    s[r] = qd_dot_u8s8(s[r], w0, bcast4(xb));
+                    t[r] = qd_dot_u8s8(t[r], w1, bcast4(xb + 4));
+                }
+            }
+        } else {
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + qh_at)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
+                __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if (five) {
+                    lo = _mm256_or_si256(lo, x8_high_bits(qh, c));
+                    hi = _mm256_or_si256(hi, x8_high_bits(qh, 4 + c));
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *xb = x + r * xs + b * QK + 4 * c;
+                    s[r] = qd_dot_u8s8(s[r], lo, bcast4(xb));
+                    t[r] = qd_dot_u8s8(t[r], hi, bcast4(xb + 16));
+                }
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const float *dx = LEGACY_DX(x + r * xs, n) + 2 * b;
+            const __m256i isum = _mm256_add_epi32(s[r], t[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx)), _mm256_cvtepi32_ps(isum), acc[r]);
+            if (has_min) accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+}
+#else
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
                                                           const uint8_t *x, int64_t xs, int64_t n, float *y,
                                                           int64_t ldy) {
@@ -492,6 +566,7 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
     }
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
 }
+#endif
 
 #define AVX2_X8_TILE(T, NAME)                                                                         \
     static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
@@ -509,6 +584,15 @@ AVX2_X8_TILE(QT_Q5_0, avx2_x8_q5_0)
 AVX2_X8_TILE(QT_Q5_1, avx2_x8_q5_1)
 AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
 #endif
+
+/* Whether this build's x8 tiles use VNNI's dpbusd (the tests check that a CPU with it runs it). */
+int twq_x8_vnni(void) {
+#ifdef X8_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* The x8 tiles of a 32-value type (`type`: the type's own id): one tile call computes 8
  * weight rows (a group) against 1–4 activation rows, y[r·ldy + i] for i < 8. */
