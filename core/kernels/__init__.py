@@ -87,7 +87,7 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
                             ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     handle.decode_step.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, i64, p, p, p, ctypes.c_int]
+    handle.decode_step.argtypes = [p, p, p, p, p, p, i64, p, p, p, p, i64, i64, p, i64, p, p, p, i64, ctypes.c_int]
     handle.peak_macs.restype = ctypes.c_double
     handle.peak_macs.argtypes = [ctypes.c_int, ctypes.c_int, i64]
     handle.argmax_rows.restype = None

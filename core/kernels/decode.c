@@ -911,14 +911,17 @@ static void moe_mlp(const Dims *d, const Layer *L, const float *x, int64_t rows,
  * column - start. cos/sin: the rotary tables [positions, head_dim]. Caches: [layers,
  * cache rows, kv_heads, capacity, head_dim] in the model dtype, or [..., capacity,
  * head_dim / 32 · block bytes] of Dims.kv_type blocks (written quantized, read as stored).
- * logits: [rows, vocab] float32. Returns 0; -1 when a scratch allocation failed, -2 for a
+ * logits: [rows - first_logit, vocab] float32, the head's rows first_logit .. rows - 1 only
+ * (0: every row's; rows: none, as a prompt's chunks before its last want; the final norm and
+ * the head, the largest matrix, are skipped for the rest, and since the matrix kernels are
+ * batch invariant the rows computed are bit for bit what they are among all). Returns 0; -1 when a scratch allocation failed, -2 for a
  * token id outside the vocabulary, -3 for a cache row or column outside the cache (nothing
  * was written then). */
 int decode_step(const Dims *d, const Layer *layers, const void *final_norm, const Weight *head,
                 const Weight *embed, const int64_t *tokens, int64_t rows, const void *cos, const void *sin,
                 void *k_cache, void *v_cache, int64_t capacity, int64_t column, const int64_t *starts,
                 int64_t cache_batch, const int64_t *cache_rows, const int64_t *columns,
-                float *logits, int threads) {
+                float *logits, int64_t first_logit, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->inter > qkv ? 2 * d->inter : qkv;
@@ -929,7 +932,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         if (layers[l].moe && layers[l].shared_inter > SI) SI = layers[l].shared_inter;
     if (SI > wide_in) wide_in = SI;
     const int64_t el = d->bf16 ? 2 : 4;
-    if (D > 1024 || rows < 1) return -1;
+    if (D > 1024 || rows < 1 || first_logit < 0 || first_logit > rows) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= d->vocab) return -2; /* its embedding row would be out of bounds */
     if (!cache_rows) cache_batch = rows;
@@ -1090,10 +1093,11 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         }
         add_round(d, x, t, NULL, rows * H);
     }
-    for (int64_t r = 0; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
-    linear(d, head, NULL, xn, H, d->vocab, rows, logits, xw, xq, threads);
+    const int64_t wanted = rows - first_logit;
+    for (int64_t r = first_logit; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
+    if (wanted > 0) linear(d, head, NULL, xn + first_logit * H, H, d->vocab, wanted, logits, xw, xq, threads);
     if (d->final_cap > 0.0f)
-        for (int64_t i = 0; i < rows * d->vocab; i++) logits[i] = tanhf(logits[i] / d->final_cap) * d->final_cap;
+        for (int64_t i = 0; i < wanted * d->vocab; i++) logits[i] = tanhf(logits[i] / d->final_cap) * d->final_cap;
     free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
     free(moe.logits); free(moe.weight); free(moe.gx); free(moe.gu); free(moe.h); free(moe.y); free(moe.chosen);
     free(moe.slot);
