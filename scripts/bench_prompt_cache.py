@@ -11,6 +11,17 @@ cached: the prompt cache written once (system + another question, as a first run
         --prompt-cache path: cli/prompt_cache.load) and answers the question: file load +
         the engine's TTFT (only the question's tokens are prefilled).
 Greedy, 8 new tokens; the tokens of both must be equal (checked). Medians of --repeats.
+
+--prefill-head instead times a short chat prompt's fresh TTFT (--system-tokens 100: ~125
+prompt tokens, within the native prefill's PREFILL_MAX) two ways in paired alternating rounds
+(--repeats pairs, a neighbour's load hits both alike): "last row", the native prefill as it
+is (the head for the prompt's last row only), against "every row", NativeDecoder.prefill
+replaced by the loop it was (verify over the chunks, every row's logits, the last one kept).
+One new token (the CPU seconds are the TTFT's); per side the median TTFT (wall) and
+process CPU seconds (all threads), per pair the ratio every-row / last-row; the first tokens
+of both must be equal (checked; tests/test_prefill_head.py checks the logits' bits):
+
+    python scripts/bench_prompt_cache.py --prefill-head --system-tokens 100 --threads 1 --repeats 15
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prefill-head", action="store_true",
+                    help="A/B in paired rounds: the native prefill's head for the last row only vs every row")
     args = ap.parse_args()
 
     import torch
@@ -59,7 +72,8 @@ def main() -> None:
     def request(question: str) -> Request:
         return Request(messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
 
-    settings = GenerationSettings(max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
+    # --prefill-head: one new token, so the process CPU time is the TTFT's
+    settings = GenerationSettings(max_new_tokens=1 if args.prefill_head else 8, sampling=SamplingParams(temperature=0.0))
 
     def answer(engine: Engine, question: str):
         for event in engine.generate(request(question), settings):
@@ -72,6 +86,8 @@ def main() -> None:
 
     question = "When does the last ship leave?"
     answer(new_engine(), "warm up")  # kernels, tables, allocator
+    if args.prefill_head:
+        return prefill_head(args, loaded, lambda: answer(new_engine(), question))
     fresh = []
     for _ in range(args.repeats):
         r = answer(new_engine(), question)
@@ -112,6 +128,60 @@ def main() -> None:
     print(f"  prompt cache        {load_s * 1000:8.1f} ms load + {cached_ttft * 1000:.1f} ms TTFT = "
           f"{(load_s + cached_ttft) * 1000:.1f} ms  ({out['speedup_with_load']:.1f}x lower; "
           f"{out['speedup_ttft']:.1f}x without the file load)")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def prefill_head(args, loaded, run) -> None:
+    """--prefill-head: `run` (a fresh engine's answer) with the native prefill as it is and
+    as it was (every row's head), alternating, the first side of each pair alternating too."""
+    import torch
+
+    from twice.core.native_decode import PREFILL_CHUNK, NativeDecoder
+
+    current = NativeDecoder.prefill
+
+    def every_row(self, tokens, cache, chunk=None):  # the prefill before the head was skipped
+        ids = tokens.reshape(-1)
+        step = min(chunk or PREFILL_CHUNK, PREFILL_CHUNK)
+        for begin in range(0, ids.numel(), step):
+            logits = self.verify(ids[begin:begin + step], cache)
+        return logits[-1:]
+
+    sides = {"last row": current, "every row": every_row}
+    got = {name: [] for name in sides}
+    try:
+        for i in range(args.repeats + 1):  # round 0 warms both sides up, uncounted
+            for name in (list(sides) if i % 2 else list(sides)[::-1]):
+                calls = []
+                NativeDecoder.prefill = lambda *a, side=sides[name], **k: (calls.append(1), side(*a, **k))[1]
+                cpu = time.process_time()
+                r = run()
+                cpu = time.process_time() - cpu
+                assert calls, "the prompt did not prefill through NativeDecoder.prefill"
+                if i:
+                    got[name].append((r.ttft_seconds, cpu, r.token_ids, r.prompt_tokens))
+    finally:
+        NativeDecoder.prefill = current
+    tokens = {tuple(g[2]) for rows in got.values() for g in rows}
+    assert len(tokens) == 1, "the two prefills' first tokens differ"
+    med = {name: (statistics.median(g[0] for g in rows), statistics.median(g[1] for g in rows))
+           for name, rows in got.items()}
+    ratios = [b[0] / a[0] for a, b in zip(got["last row"], got["every row"])]
+    cpu_ratios = [b[1] / a[1] for a, b in zip(got["last row"], got["every row"])]
+    out = {"model": loaded.name, "dtype": str(loaded.dtype).replace("torch.", ""),
+           "threads": torch.get_num_threads(), "prompt_tokens": got["last row"][0][3], "pairs": args.repeats,
+           **{f"{k.replace(' ', '_')}_ttft_s": v[0] for k, v in med.items()},
+           **{f"{k.replace(' ', '_')}_cpu_s": v[1] for k, v in med.items()},
+           "ttft_ratio_median": statistics.median(ratios), "ttft_ratio_min": min(ratios),
+           "ttft_ratio_max": max(ratios), "cpu_ratio_median": statistics.median(cpu_ratios),
+           "greedy_tokens_equal": True}
+    print(f"{loaded.name} {out['dtype']}, {out['threads']} threads: a {out['prompt_tokens']}-token chat prompt, "
+          f"fresh TTFT, {args.repeats} paired rounds (medians)")
+    for name, (ttft, cpu) in med.items():
+        print(f"  head for {name:9s}  TTFT {ttft * 1000:7.1f} ms   CPU {cpu * 1000:7.1f} ms")
+    print(f"  every row / last row: TTFT x{out['ttft_ratio_median']:.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f}), "
+          f"CPU x{out['cpu_ratio_median']:.3f}; first tokens equal")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 
