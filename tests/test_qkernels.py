@@ -192,7 +192,7 @@ def test_builds_for_older_cpus_compute_the_same(march, needs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("march", ["x86-64-v4", "sapphirerapids", "alderlake", "znver4"])
+@pytest.mark.parametrize("march", ["x86-64-v4", "sapphirerapids", "alderlake", "znver4", "icelake-server"])
 def test_avx512_and_vnni_variants_compile(march, tmp_path):
     """The AVX-512 / VNNI paths cannot run on an AVX2 machine; they must at least compile
     (where this gcc knows the CPU)."""
