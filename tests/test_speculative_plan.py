@@ -290,9 +290,9 @@ def test_a_native_draft_prefills_in_chunks_and_measures_its_rate(model_dirs, one
     draft = speculative.Draft(m.model)
     assert draft.fast is not None
     sizes = []
-    real = type(draft.fast).verify
-    monkeypatch.setattr(type(draft.fast), "verify", lambda self, ids, cache: (sizes.append(ids.numel()),
-                                                                              real(self, ids, cache))[1])
+    real = type(draft.fast).virtual_rows
+    monkeypatch.setattr(type(draft.fast), "virtual_rows",
+                        lambda self, ids, cache, last=None: (sizes.append(ids.numel()), real(self, ids, cache, last))[1])
     seq = [(7 * i) % 200 + 3 for i in range(150)]
     sampler = Sampler([SamplingParams()], [seq], m.config.vocab_size, "cpu")
     guesses, _ = draft.propose(seq, 3, sampler, 0)
