@@ -109,7 +109,7 @@ def test_x8_needs_whole_groups():
     c, data, x = _case("Q4_1", 12, 2, 1, seed=3)
     with pytest.raises(ValueError, match="whole groups of 8"):
         kernels.quant_matmul(x, data, c.ggml_type + x8.X8)
-    assert not x8.eligible(c, 12) and x8.eligible(c, 16) and not x8.eligible(quant.codec("Q4_K"), 16)
+    assert not x8.eligible(c, 12) and x8.eligible(c, 16) and not x8.eligible(quant.codec("Q6_K"), 16)
     with pytest.raises(ValueError, match="whole groups"):
         x8.interleave(data, "Q4_1")
 

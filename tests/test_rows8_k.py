@@ -10,7 +10,7 @@ import torch
 from test_quant import _random_blocks
 from tiny import cpu_flags, save_tokenizer
 
-from twice.core import kernels, native_decode, quant
+from twice.core import kernels, quant
 from twice.core.cache import KVCache
 from twice.core.native_decode import NativeDecoder, supported
 from twice.core.qweight import BlockWeight, Part, _Blocks
@@ -28,12 +28,6 @@ def _case(out, blocks, rows, seed):
     g = torch.Generator().manual_seed(900 + seed)
     x = torch.randn(rows, blocks * 256, generator=g) * torch.rand(rows, 1, generator=g) * 2
     return data, x
-
-
-@pytest.fixture
-def native_takes_q4k_x8(monkeypatch):
-    """The native step's block types with Q4_K's x8 layout (a no-op once native_decode lists it)."""
-    monkeypatch.setattr(native_decode, "BLOCK_TYPES", native_decode.BLOCK_TYPES | {X8_TYPE})
 
 
 @pytest.mark.parametrize("out,blocks", [(8, 1), (16, 3), (40, 2)])
@@ -89,7 +83,7 @@ def test_x8_is_batch_invariant():
         torch.set_num_threads(threads)
 
 
-def test_rows_not_a_multiple_of_8_stay_as_stored(native_takes_q4k_x8):
+def test_rows_not_a_multiple_of_8_stay_as_stored():
     """12 rows are not eligible (a group is whole); the kernel refuses them in the x8 layout;
     a BlockWeight of an x8 part and a part as stored multiplies and dequantizes as stored."""
     assert not x8.eligible(Q4_K, 12) and x8.eligible(Q4_K, 16)
@@ -105,13 +99,6 @@ def test_rows_not_a_multiple_of_8_stay_as_stored(native_takes_q4k_x8):
     assert torch.equal(mixed.dequantize(start=10, stop=20), stored.dequantize(start=10, stop=20))
     scale = x.abs() @ stored.dequantize().abs().T
     assert ((mixed.matmul(x) - stored.matmul(x)).abs() <= 1e-5 * scale + 1e-30).all()
-
-
-def test_not_applied_where_the_native_step_does_not_take_it(monkeypatch):
-    """Until the native step lists Q4_K's x8 layout, loading keeps Q4_K rows as stored (a model
-    never leaves the native step for the layout)."""
-    monkeypatch.setattr(native_decode, "BLOCK_TYPES", native_decode.BLOCK_TYPES - {X8_TYPE})
-    assert not x8.eligible(Q4_K, 16) and x8.eligible(quant.codec("Q4_0"), 16)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +117,7 @@ def wide_llama(tmp_path_factory, tokenizer):
 
 
 @pytest.mark.slow  # makes and quantizes a model (seconds)
-def test_a_q4_k_model_native_step_tracks_the_rows_as_stored(wide_llama, native_takes_q4k_x8, monkeypatch):
+def test_a_q4_k_model_native_step_tracks_the_rows_as_stored(wide_llama, monkeypatch):
     """load(weights="q4_k") interleaves every Q4_K part; the native step stays available, tracks
     the eager decode of the same model, and its greedy tokens are TWICE_INTERLEAVE=0's."""
     monkeypatch.setenv("TWICE_INTERLEAVE", "0")

@@ -42,19 +42,9 @@ TYPES = frozenset(_FIELDS)
 
 
 def eligible(codec, rows: int) -> bool:
-    """Whether a part of `rows` rows of `codec` can be interleaved (a 32-value type as stored,
-    whole groups of 8 rows)."""
-    return (codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
-            and (codec.name != "Q4_K" or _native_step_takes(codec.ggml_type + X8)))
-
-
-def _native_step_takes(ggml_type: int) -> bool:
-    """Whether the native decode step multiplies this layout (core/native_decode.py's
-    BLOCK_TYPES): a K type's x8 layout is applied only where it does, so a model never
-    leaves the native step for it."""
-    from ..native_decode import BLOCK_TYPES
-
-    return ggml_type in BLOCK_TYPES
+    """Whether a part of `rows` rows of `codec` can be interleaved (a type with an x8 layout,
+    as stored, whole groups of 8 rows)."""
+    return codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
 
 
 def interleaved(codec):
