@@ -109,7 +109,7 @@ def test_x8_needs_whole_groups():
     c, data, x = _case("Q4_1", 12, 2, 1, seed=3)
     with pytest.raises(ValueError, match="whole groups of 8"):
         kernels.quant_matmul(x, data, c.ggml_type + x8.X8)
-    assert not x8.eligible(c, 12) and x8.eligible(c, 16) and not x8.eligible(quant.codec("Q6_K"), 16)
+    assert not x8.eligible(c, 12) and x8.eligible(c, 16) and not x8.eligible(quant.codec("Q5_K"), 16)
     with pytest.raises(ValueError, match="whole groups"):
         x8.interleave(data, "Q4_1")
 
@@ -151,25 +151,30 @@ def test_an_interleaved_model_decodes_as_the_rows_as_stored(pairs, kind):
     assert supported(m.model)
     emb = m.model.embed_tokens
     assert isinstance(emb, _Blocks) and emb.codecs[0].rows_per_group == 8
-    runs = {}
-    for label, model in (("x8", m), ("stored", stored)):
-        native = NativeDecoder(model.model)
-        a, b = (KVCache(model.config, 1, 64, torch.float32, "cpu") for _ in range(2))
-        ids = torch.tensor([list(range(3, 20))])
-        tokens, worst, scale = [], 0.0, 0.0
-        with torch.inference_mode():
-            model.model(ids, a)
-            model.model(ids, b)
-            tok = torch.tensor([[42]])
-            for _ in range(12):
-                la, lb = model.model(tok, a).float(), native(tok, b)
-                worst = max(worst, (la - lb).abs().max().item())
-                scale = max(scale, la.abs().max().item())
-                tok = lb.argmax(-1, keepdim=True)
-                tokens.append(int(tok))
-        runs[label] = tokens
-        assert worst < 0.05 * scale, (label, worst, scale)  # as test_gguf_stored holds the step on blocks
-    assert runs["x8"] == runs["stored"]
+    (x8_tokens, _), (stored_tokens, _) = native_greedy(m), native_greedy(stored)
+    assert x8_tokens == stored_tokens
+
+
+def native_greedy(model, steps: int = 12) -> tuple[list[int], torch.Tensor]:
+    """`steps` greedy tokens of the native step after a 17-token prompt, each step's logits
+    checked against the eager layers' on a cache of their own (within 5% of the largest
+    logit, as test_gguf_stored holds the step on blocks); the tokens and the last logits."""
+    native = NativeDecoder(model.model)
+    a, b = (KVCache(model.config, 1, 64, torch.float32, "cpu") for _ in range(2))
+    ids = torch.tensor([list(range(3, 20))])
+    tokens, worst, scale = [], 0.0, 0.0
+    with torch.inference_mode():
+        model.model(ids, a)
+        model.model(ids, b)
+        tok = torch.tensor([[42]])
+        for _ in range(steps):
+            la, lb = model.model(tok, a).float(), native(tok, b)
+            worst = max(worst, (la - lb).abs().max().item())
+            scale = max(scale, la.abs().max().item())
+            tok = lb.argmax(-1, keepdim=True)
+            tokens.append(int(tok))
+    assert worst < 0.05 * scale, (worst, scale)
+    return tokens, lb
 
 
 def test_embedding_and_dequantize_after_interleave(pairs):

@@ -8,11 +8,11 @@ import platform
 import pytest
 import torch
 from test_quant import _random_blocks
+from test_rows8 import native_greedy
 from tiny import cpu_flags, save_tokenizer
 
 from twice.core import kernels, quant
-from twice.core.cache import KVCache
-from twice.core.native_decode import NativeDecoder, supported
+from twice.core.native_decode import supported
 from twice.core.qweight import BlockWeight, Part, _Blocks
 from twice.core.quant import interleave as x8
 from twice.weights.load import load
@@ -129,27 +129,9 @@ def test_a_q4_k_model_native_step_tracks_the_rows_as_stored(wide_llama, monkeypa
     assert ("Q4_K", 8) in layouts and ("Q4_K", 1) not in layouts, layouts
     assert all(c.rows_per_group == 1 for mod in stored.model.modules() if isinstance(mod, _Blocks) for c in mod.codecs)
     assert supported(m.model) and supported(stored.model)
-    runs, last = {}, {}
-    for label, model in (("x8", m), ("stored", stored)):
-        native = NativeDecoder(model.model)
-        a, b = (KVCache(model.config, 1, 64, torch.float32, "cpu") for _ in range(2))
-        ids = torch.tensor([list(range(3, 20))])
-        tokens, worst, scale = [], 0.0, 0.0
-        with torch.inference_mode():
-            model.model(ids, a)
-            model.model(ids, b)
-            tok = torch.tensor([[42]])
-            for _ in range(12):
-                la, lb = model.model(tok, a).float(), native(tok, b)
-                worst = max(worst, (la - lb).abs().max().item())
-                scale = max(scale, la.abs().max().item())
-                tok = lb.argmax(-1, keepdim=True)
-                tokens.append(int(tok))
-            last[label] = lb
-        runs[label] = tokens
-        assert worst < 0.05 * scale, (label, worst, scale)
-    assert runs["x8"] == runs["stored"]
-    assert (last["x8"] - last["stored"]).abs().max() <= 1e-3 * last["stored"].abs().max()
+    (x8_tokens, x8_last), (stored_tokens, stored_last) = native_greedy(m), native_greedy(stored)
+    assert x8_tokens == stored_tokens
+    assert (x8_last - stored_last).abs().max() <= 1e-3 * stored_last.abs().max()
 
 
 @pytest.mark.slow  # builds the kernels twice for older CPUs (seconds)
