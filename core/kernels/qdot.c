@@ -30,7 +30,7 @@ static int is_legacy(int t) { return t == QT_Q4_0 || t == QT_Q4_1 || t == QT_Q5_
 static int is_kquant(int t) { return t >= QT_Q2_K && t <= QT_Q6_K; }
 static int is_float(int t) { return t == QT_F32 || t == QT_F16 || t == QT_BF16; }
 /* A 32-value type's interleaved layout (qdot.h QT_X8), and a type id without it. */
-static int is_x8_able(int t) { return is_legacy(t) || t == QT_Q4_K; } /* Q4_K: qdot_kquants.c */
+static int is_x8_able(int t) { return is_legacy(t) || t == QT_Q4_K || t == QT_Q6_K; } /* K: qdot_kquants.c */
 static int is_x8(int t) { return t >= QT_X8 && is_x8_able(t - QT_X8); }
 static int base_type(int t) { return is_x8(t) ? t - QT_X8 : t; }
 
@@ -283,7 +283,7 @@ void q_dequantize_at(int type, const void *w, int64_t first, int64_t nrows, int6
     }
 }
 
-/* Rows [0, rows) of a 32-value type or Q4_K `type` (its own id) rewritten in place into the x8 layout
+/* Rows [0, rows) of a 32-value type, Q4_K or Q6_K `type` (its own id) rewritten in place into the x8 layout
  * (rows: whole groups of 8); 0, or -1 for another type or shape, -2 where a group's buffer
  * could not be allocated (w then untouched or partly rewritten: the caller refuses the
  * model). */

@@ -142,7 +142,7 @@ qtile_fn twq_x8_tile(int type, int reference);
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
-/* x8 of a K type (Q4_K: its id + QT_X8; qdot_kquants.c): tiles of 8 weight rows × 1–4
+/* x8 of a K type (Q4_K, Q6_K: its id + QT_X8; qdot_kquants.c): tiles of 8 weight rows × 1–4
  * activation rows (y[r·ldy + i] for i < 8), row i of a group → float32, a group → x8. */
 qtile_fn twq_kx8_tile(int type, int reference);
 int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);

@@ -335,6 +335,25 @@ int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
  * the same in any tile (batch invariance). */
 #define KX8_B (8 * 144)
 
+/* ---- Q6_K x8: a group's super-block is 8·210 = 1680 bytes: d[8] (fp16, rows 0..7) | the
+ * 16 int8 scales byte-major (byte 16 + 8j + i: row i's scale j) | the 192 quant bytes (ql
+ * 0..127, then qh 128..191 of each row) in runs of 32 bytes, run c (0..47) = bytes 4c..4c+3
+ * of rows 0..7: ql run c at 144 + 32c, qh run c' at 1168 + 32c'. ql run 16h + 8p + j (h, p
+ * in 0..1, j in 0..7) pairs with qh run 8h + j: its low nibbles are values 32(4h + p) +
+ * 4j.. (qh bits 2p..), its high nibbles values 32(4h + p + 2) + 4j.. (qh bits 2p + 4..).
+ * The -32 offset goes through the activation's block sums: imin = 32·Σ sc·bsum, and per
+ * super-block one fused multiply-add, acc = fma(d_x·d_i, isum - imin, acc), the integers of
+ * the reference (ref_dot's Q6_K). */
+#define KX8_Q6 (8 * 210)
+#define KX8_Q6_QL 144
+#define KX8_Q6_QH (144 + 1024)
+
+static void kx8_block_q6(const uint8_t *blk, int i, uint8_t out[210]) {
+    memcpy(out + 208, blk + 2 * i, 2);
+    for (int j = 0; j < 16; j++) out[192 + j] = blk[16 + 8 * j + i];
+    for (int c = 0; c < 48; c++) memcpy(out + 4 * c, blk + KX8_Q6_QL + 32 * c + 4 * i, 4);
+}
+
 /* Row i's super-block as stored, from super-block `blk` of an x8 group. */
 static void kx8_block(const uint8_t *blk, int i, uint8_t out[144]) {
     memcpy(out, blk + 2 * i, 2);
@@ -345,7 +364,20 @@ static void kx8_block(const uint8_t *blk, int i, uint8_t out[144]) {
 
 /* One group of 8 Q4_K rows as stored (`in`) → the x8 layout (`out`, not overlapping). */
 int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out) {
-    if (type != QT_Q4_K || n % QKK) return -1;
+    if ((type != QT_Q4_K && type != QT_Q6_K) || n % QKK) return -1;
+    if (type == QT_Q6_K) {
+        const int64_t nb = n / QKK, row_bytes = nb * 210;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + b * KX8_Q6;
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = in + i * row_bytes + b * 210;
+                memcpy(o + 2 * i, blk + 208, 2);
+                for (int j = 0; j < 16; j++) o[16 + 8 * j + i] = blk[192 + j];
+                for (int c = 0; c < 48; c++) memcpy(o + KX8_Q6_QL + 32 * c + 4 * i, blk + 4 * c, 4);
+            }
+        }
+        return 0;
+    }
     const int64_t nb = n / QKK, row_bytes = nb * 144;
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *o = out + b * KX8_B;
@@ -361,7 +393,15 @@ int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *ou
 }
 
 int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out) {
-    if (type != QT_Q4_K || i < 0 || i >= 8) return -1;
+    if ((type != QT_Q4_K && type != QT_Q6_K) || i < 0 || i >= 8) return -1;
+    if (type == QT_Q6_K) {
+        uint8_t t6[210];
+        for (int64_t b = 0; b < n / QKK; b++) {
+            kx8_block_q6(group + b * KX8_Q6, i, t6);
+            twq_kquant_dequantize(type, t6, QKK, out + b * QKK);
+        }
+        return 0;
+    }
     uint8_t tmp[144];
     for (int64_t b = 0; b < n / QKK; b++) {
         kx8_block(group + b * KX8_B, i, tmp);
@@ -490,13 +530,122 @@ static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
 }
 #endif
 
-/* The x8 tiles of a K type (`type`: its own id; Q4_K only): 8 weight rows × 1–4 activation
+static void ref_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *xr = x + r * xs;
+        const int8_t *xq = (const int8_t *)xr;
+        const float *xd = K_D(xr, n);
+        const int16_t *bsums = K_BSUMS(xr, n);
+        for (int i = 0; i < 8; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t tmp[210];
+                int q[QKK], sc[16], mn[16];
+                float d, dmin;
+                kx8_block_q6(w + b * KX8_Q6, i, tmp);
+                kquant_block(QT_Q6_K, tmp, q, sc, mn, &d, &dmin);
+                int32_t isum = 0, imin = 0;
+                for (int s = 0; s < 16; s++) {
+                    int32_t t = 0;
+                    for (int l = 0; l < 16; l++) t += q[16 * s + l] * xq[b * QKK + 16 * s + l];
+                    isum += sc[s] * t;
+                    imin += mn[s] * bsums[b * 16 + s];
+                }
+                acc = KX8_FMA(xd[b] * d, (float)(isum - imin), acc);
+            }
+            y[r * ldy + i] = acc;
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, const uint8_t *w, const uint8_t *x,
+                                                              int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    const __m256i low = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_Q6;
+        for (int l = 0; l < KX8_Q6; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        __m256i isum[4], imin[4];
+        for (int r = 0; r < NR; r++) isum[r] = imin[r] = _mm256_setzero_si256();
+        /* offsets: int32 lane i = sc_i[2k] | sc_i[2k+1] << 16 (int16), against (bsum[2k], bsum[2k+1]) */
+        for (int k = 0; k < 8; k++) {
+            const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * k));
+            const __m256i sp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(t, _mm_srli_si128(t, 8)));
+            for (int r = 0; r < NR; r++) {
+                const int16_t *bs = K_BSUMS(x + r * xs, n) + 16 * b + 2 * k;
+                const uint32_t word = (uint16_t)bs[0] | (uint32_t)(uint16_t)bs[1] << 16;
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(sp, _mm256_set1_epi32((int)word)));
+            }
+        }
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 2; p++)
+                for (int half = 0; half < 2; half++) { /* sub-blocks 2(4h + p) + half and 2(4h + p + 2) + half */
+                    __m256i s[4], t[4];
+                    for (int r = 0; r < NR; r++) s[r] = t[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                    for (int jj = 0; jj < 4; jj++) {
+                        const int j = 4 * half + jj;
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + KX8_Q6_QL + 32 * (16 * h + 8 * p + j)));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + KX8_Q6_QH + 32 * (8 * h + j)));
+                        const __m256i hl = p ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
+                        const __m256i hh = p ? _mm256_srli_epi16(qh, 2) : qh;
+                        const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(hl, m30));
+                        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                                           _mm256_and_si256(hh, m30));
+#pragma GCC unroll 4
+                        for (int r = 0; r < NR; r++) {
+                            const uint8_t *xb = x + r * xs + b * QKK + 32 * (4 * h + p) + 16 * half;
+                            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 64)));
+                            __m256i al, ah;
+                            switch (jj) {
+                            case 0: al = _mm256_shuffle_epi32(xl, 0x00); ah = _mm256_shuffle_epi32(xh, 0x00); break;
+                            case 1: al = _mm256_shuffle_epi32(xl, 0x55); ah = _mm256_shuffle_epi32(xh, 0x55); break;
+                            case 2: al = _mm256_shuffle_epi32(xl, 0xaa); ah = _mm256_shuffle_epi32(xh, 0xaa); break;
+                            default: al = _mm256_shuffle_epi32(xl, 0xff); ah = _mm256_shuffle_epi32(xh, 0xff); break;
+                            }
+                            s[r] = qd_dot_u8s8(s[r], lo, al);
+                            t[r] = qd_dot_u8s8(t[r], hi, ah);
+                        }
+                    }
+                    const int sl_at = 2 * (4 * h + p) + half, sh_at = sl_at + 4;
+                    const __m256i sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * sl_at)));
+                    const __m256i sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * sh_at)));
+                    for (int r = 0; r < NR; r++)
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(s[r], sl),
+                                                                             _mm256_mullo_epi32(t[r], sh)));
+                }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int r = 0; r < NR; r++) {
+            const __m256 dx = _mm256_set1_ps(K_D(x + r * xs, n)[b]);
+            const __m256i net = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(imin[r], 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(net), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    switch (nr) {
+    case 4: tile_kx8_q6(4, w, x, xs, n, y, ldy); return;
+    case 3: tile_kx8_q6(3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8_q6(2, w, x, xs, n, y, ldy); return;
+    default: tile_kx8_q6(1, w, x, xs, n, y, ldy); return;
+    }
+}
+#endif
+
+/* The x8 tiles of a K type (`type`: its own id; Q4_K, Q6_K): 8 weight rows × 1–4 activation
  * rows, y[r·ldy + i] for i < 8. */
 qtile_fn twq_kx8_tile(int type, int reference) {
-    if (type != QT_Q4_K) return 0;
+    if (type != QT_Q4_K && type != QT_Q6_K) return 0;
 #ifdef __AVX2__
-    if (!reference) return avx2_kx8_q4_k;
+    if (!reference) return type == QT_Q6_K ? avx2_kx8_q6_k : avx2_kx8_q4_k;
 #endif
     (void)reference;
-    return ref_kx8_q4_k;
+    return type == QT_Q6_K ? ref_kx8_q6_k : ref_kx8_q4_k;
 }

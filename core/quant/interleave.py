@@ -1,5 +1,5 @@
 """The interleaved 8-row layout ("x8") of the 32-value block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0)
-and of Q4_K (its 256-value super-blocks as blocks; qdot_kquants.c).
+and of Q4_K and Q6_K (their 256-value super-blocks as blocks; qdot_kquants.c).
 
 A layout, not a type: the same bytes as the rows as stored (memory unchanged), rearranged so
 that the native kernels (core/kernels/qdot_legacy.c) get one int32 lane per weight row out of
@@ -28,6 +28,7 @@ import torch
 X8 = 256  # added to a type's ggml id for its interleaved layout (never in a file: in memory only)
 GROUP = 8
 # Per type: (type_size, the fields before the quants as (offset, bytes per row)), quants' offset
+# (or their byte range (start, end) in a block where they do not run to its end)
 _FIELDS = {
     "Q4_0": (18, ((0, 2),), 2),
     "Q4_1": (20, ((0, 2), (2, 2)), 4),
@@ -37,6 +38,9 @@ _FIELDS = {
     # Q4_K (per 256-value super-block): d[8] | dmin[8] | the 12 packed scale bytes byte-major
     # (byte j of rows 0..7, j = 0..11) | 32 runs of 4 quant bytes (qdot_kquants.c's x8 tile)
     "Q4_K": (144, ((0, 2), (2, 2)) + tuple((4 + j, 1) for j in range(12)), 16),
+    # Q6_K: d[8] (stored last) | the 16 int8 scales byte-major | 48 runs of 4 quant bytes (ql
+    # then qh: bytes 0..191 of the super-block, its quants' range)
+    "Q6_K": (210, ((208, 2),) + tuple((192 + j, 1) for j in range(16)), (0, 192)),
 }
 TYPES = frozenset(_FIELDS)
 
@@ -63,6 +67,11 @@ def base(codec):
     return codec._replace(ggml_type=codec.ggml_type - X8, rows_per_group=1)
 
 
+def _quants(name: str) -> tuple[int, int]:
+    size, _, q = _FIELDS[name]
+    return (q, size) if isinstance(q, int) else q
+
+
 def _split(data: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
     size = _FIELDS[name][0]
     rows, row_bytes = data.shape
@@ -74,11 +83,11 @@ def _split(data: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
 def interleave(data: torch.Tensor, name: str) -> torch.Tensor:
     """Rows as stored [R, row_bytes] (R % 8 == 0) → the same bytes in the x8 layout, [R, row_bytes]."""
     blocks, size = _split(data, name)  # [G, 8 rows, nb, size]
-    _, fields, qoff = _FIELDS[name]
+    fields, (qoff, qend) = _FIELDS[name][1], _quants(name)
     g, _, nb, _ = blocks.shape
     blocks = blocks.permute(0, 2, 1, 3)  # [G, nb, 8, size]
     pieces = [blocks[..., o:o + w].reshape(g, nb, GROUP * w) for o, w in fields]
-    q = blocks[..., qoff:]  # [G, nb, 8, Q]
+    q = blocks[..., qoff:qend]  # [G, nb, 8, Q]
     runs = q.shape[-1] // 4
     pieces.append(q.reshape(g, nb, GROUP, runs, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP * 4 * runs))
     return torch.cat(pieces, dim=-1).reshape(data.shape).contiguous()
@@ -86,7 +95,8 @@ def interleave(data: torch.Tensor, name: str) -> torch.Tensor:
 
 def deinterleave(data: torch.Tensor, name: str) -> torch.Tensor:
     """x8 bytes [R, row_bytes] → the rows as stored (interleave's inverse)."""
-    size, fields, qoff = _FIELDS[name]
+    size, fields, _ = _FIELDS[name]
+    qoff, qend = _quants(name)
     rows, row_bytes = data.shape
     if rows % GROUP or row_bytes % size:
         raise ValueError(f"{name} x8 needs whole groups of {GROUP} rows of whole blocks, got {tuple(data.shape)}")
@@ -97,8 +107,8 @@ def deinterleave(data: torch.Tensor, name: str) -> torch.Tensor:
     for o, w in fields:
         out[..., o:o + w] = flat[..., at:at + GROUP * w].reshape(g, nb, GROUP, w)
         at += GROUP * w
-    runs = (size - qoff) // 4
-    out[..., qoff:] = flat[..., at:].reshape(g, nb, runs, GROUP, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP,
+    runs = (qend - qoff) // 4
+    out[..., qoff:qend] = flat[..., at:].reshape(g, nb, runs, GROUP, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP,
                                                                                                   4 * runs)
     return out.permute(0, 2, 1, 3).reshape(rows, row_bytes)
 
