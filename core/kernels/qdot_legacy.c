@@ -411,6 +411,20 @@ static inline __m256i x8_high_bits(__m256i qh, const int c) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
 }
 
+/* Run c of a block's 4-bit quants as the 8 rows' low and high values (with their 5th bits for
+ * Q5_0/Q5_1): the weight bytes every x8 tile multiplies. */
+static inline __attribute__((always_inline)) void x8_values(const uint8_t *blk, int q_at, int five, __m256i qh,
+                                                            int c, __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
+    *lo = _mm256_and_si256(raw, low);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    if (five) {
+        *lo = _mm256_or_si256(*lo, x8_high_bits(qh, c));
+        *hi = _mm256_or_si256(*hi, x8_high_bits(qh, 4 + c));
+    }
+}
+
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define X8_VNNI 1
 /* VNNI (dpbusd: Σ of 4 u8·s8 products into an int32 lane, one instruction for maddubs + madd
@@ -428,7 +442,6 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
     const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
     const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
     const int64_t nb = n / QK;
-    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[4], accm[4];
     for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -458,12 +471,8 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
         } else {
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + qh_at)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
-                __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                if (five) {
-                    lo = _mm256_or_si256(lo, x8_high_bits(qh, c));
-                    hi = _mm256_or_si256(hi, x8_high_bits(qh, 4 + c));
-                }
+                __m256i lo, hi;
+                x8_values(blk, q_at, five, qh, c, &lo, &hi);
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) {
                     const uint8_t *xb = x + r * xs + b * QK + 4 * c;
@@ -493,7 +502,7 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
     const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
     const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
     const int64_t nb = n / QK;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4], accm[4];
     for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -517,12 +526,8 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
             for (int r = 0; r < NR; r++) { p[r] = _mm256_setzero_si256(); s[r] = _mm256_setzero_si256(); }
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + qh_at)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c));
-                __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                if (five) {
-                    lo = _mm256_or_si256(lo, x8_high_bits(qh, c));
-                    hi = _mm256_or_si256(hi, x8_high_bits(qh, 4 + c));
-                }
+                __m256i lo, hi;
+                x8_values(blk, q_at, five, qh, c, &lo, &hi);
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) {
                     const uint8_t *xb = x + r * xs + b * QK;
