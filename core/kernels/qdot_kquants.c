@@ -581,8 +581,11 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
                 imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(sp, _mm256_set1_epi32((int)word)));
             }
         }
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
             for (int p = 0; p < 2; p++)
+#pragma GCC unroll 2
                 for (int half = 0; half < 2; half++) { /* sub-blocks 2(4h + p) + half and 2(4h + p + 2) + half */
                     __m256i s[4], t[4];
                     for (int r = 0; r < NR; r++) s[r] = t[r] = _mm256_setzero_si256();
