@@ -79,9 +79,9 @@ def test_x8_is_batch_invariant():
 
 
 def test_rows_not_a_multiple_of_8_stay_as_stored():
-    """12 rows are not eligible (a group is whole); the kernel refuses them in the x8 layout;
+    """12 rows are not eligible (a group is whole; Q6_K is not applied at load at all); the kernel refuses them in the x8 layout;
     a BlockWeight of an x8 part and a part as stored multiplies and dequantizes as stored."""
-    assert not x8.eligible(Q6_K, 12) and x8.eligible(Q6_K, 16)
+    assert not x8.eligible(Q6_K, 12) and not x8.eligible(Q6_K, 16)  # never at load (interleave.NOT_AT_LOAD)
     data, x = _case(12, 2, 3, seed=3)
     with pytest.raises(ValueError, match="whole groups of 8"):
         kernels.quant_matmul(x, data, X8_TYPE)

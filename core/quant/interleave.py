@@ -43,12 +43,16 @@ _FIELDS = {
     "Q6_K": (210, ((208, 2),) + tuple((192 + j, 1) for j in range(16)), (0, 192)),
 }
 TYPES = frozenset(_FIELDS)
+# Layouts the kernels take but loading does not apply (eligible says no): Q6_K's x8 tile is
+# correct but slower than the rows as stored on Zen 4 (Qwen2.5-Coder-0.5B Q4_K_M native step,
+# 1 thread, 4 rows: 35 against 25 ms with it applied; notes/q6k8.md)
+NOT_AT_LOAD = frozenset({"Q6_K"})
 
 
 def eligible(codec, rows: int) -> bool:
     """Whether a part of `rows` rows of `codec` can be interleaved (a type with an x8 layout,
     as stored, whole groups of 8 rows)."""
-    return codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
+    return codec.name in _FIELDS and codec.name not in NOT_AT_LOAD and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
 
 
 def interleaved(codec):
