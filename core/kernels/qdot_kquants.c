@@ -416,7 +416,11 @@ int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, flo
 #define KX8_FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-static void ref_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+/* The scalar x8 reference of Q4_K (d·isum − dmin·imin, two FMAs) and of Q6_K (d·(isum − imin):
+ * its −32 offset through the block sums, one FMA): each row's block as stored, the same integers
+ * and float steps as the SIMD tiles. */
+static inline void ref_kx8(const int T, int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,
+                           int64_t ldy) {
     const int64_t nb = n / QKK;
     for (int r = 0; r < nr; r++) {
         const uint8_t *xr = x + r * xs;
@@ -426,11 +430,14 @@ static void ref_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
         for (int i = 0; i < 8; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                uint8_t tmp[144];
+                uint8_t tmp[210];
                 int q[QKK], sc[16], mn[16];
                 float d, dmin;
-                kx8_block(w + b * KX8_B, i, tmp);
-                kquant_block(QT_Q4_K, tmp, q, sc, mn, &d, &dmin);
+                if (T == QT_Q6_K)
+                    kx8_block_q6(w + b * KX8_Q6, i, tmp);
+                else
+                    kx8_block(w + b * KX8_B, i, tmp);
+                kquant_block(T, tmp, q, sc, mn, &d, &dmin);
                 int32_t isum = 0, imin = 0;
                 for (int s = 0; s < 16; s++) {
                     int32_t t = 0;
@@ -438,12 +445,24 @@ static void ref_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
                     isum += sc[s] * t;
                     imin += mn[s] * bsums[b * 16 + s];
                 }
-                acc = KX8_FMA(xd[b] * d, (float)isum, acc);
-                acc = KX8_FMA(-(xd[b] * dmin), (float)imin, acc);
+                if (T == QT_Q6_K) {
+                    acc = KX8_FMA(xd[b] * d, (float)(isum - imin), acc);
+                } else {
+                    acc = KX8_FMA(xd[b] * d, (float)isum, acc);
+                    acc = KX8_FMA(-(xd[b] * dmin), (float)imin, acc);
+                }
             }
             y[r * ldy + i] = acc;
         }
     }
+}
+
+static void ref_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    ref_kx8(QT_Q4_K, nr, w, x, xs, n, y, ldy);
+}
+
+static void ref_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    ref_kx8(QT_Q6_K, nr, w, x, xs, n, y, ldy);
 }
 
 #ifdef __AVX2__
@@ -529,35 +548,6 @@ static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
     }
 }
 #endif
-
-static void ref_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-    const int64_t nb = n / QKK;
-    for (int r = 0; r < nr; r++) {
-        const uint8_t *xr = x + r * xs;
-        const int8_t *xq = (const int8_t *)xr;
-        const float *xd = K_D(xr, n);
-        const int16_t *bsums = K_BSUMS(xr, n);
-        for (int i = 0; i < 8; i++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t tmp[210];
-                int q[QKK], sc[16], mn[16];
-                float d, dmin;
-                kx8_block_q6(w + b * KX8_Q6, i, tmp);
-                kquant_block(QT_Q6_K, tmp, q, sc, mn, &d, &dmin);
-                int32_t isum = 0, imin = 0;
-                for (int s = 0; s < 16; s++) {
-                    int32_t t = 0;
-                    for (int l = 0; l < 16; l++) t += q[16 * s + l] * xq[b * QKK + 16 * s + l];
-                    isum += sc[s] * t;
-                    imin += mn[s] * bsums[b * 16 + s];
-                }
-                acc = KX8_FMA(xd[b] * d, (float)(isum - imin), acc);
-            }
-            y[r * ldy + i] = acc;
-        }
-    }
-}
 
 #ifdef __AVX2__
 static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, const uint8_t *w, const uint8_t *x,
