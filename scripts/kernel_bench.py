@@ -89,14 +89,29 @@ def time_gemm(lib, dtype: torch.dtype, out: int, n: int, rows: int, threads: int
     return best
 
 
+def weight_copies(ggml_type: int, out: int, n: int) -> list[torch.Tensor]:
+    """Copies (≥ 256 MiB together, at most 64) of one [out, n] matrix of random floats quantized
+    to `ggml_type` (its x8 layout: ggml_type + X8, interleaved). Real blocks, not random bytes:
+    random bytes make fp16 scales NaN, infinite or subnormal, which slows the float steps
+    (Q4_K at 16 rows, Zen 4: ~135 against ~159 GMAC/s)."""
+    from twice.core import quant
+    from twice.core.quant import interleave
+
+    base = ggml_type - interleave.X8 if ggml_type >= interleave.X8 else ggml_type
+    c = quant.BY_GGML_TYPE[base]
+    g = torch.Generator().manual_seed(0)
+    data = quant.quantize(torch.randn(out, n, generator=g) * 0.02, c.name).reshape(out, -1).contiguous()
+    if base != ggml_type:
+        assert kernels.interleave_rows(data, base, n)
+    copies = max(1, (256 << 20) // data.numel())
+    return [data.clone() for _ in range(min(copies, 64))]
+
+
 def time_quant(lib, ggml_type: int, out: int, n: int, rows: int, threads: int, repeats: int = 5,
                clock=time.perf_counter) -> tuple[float, float]:
-    """Best seconds per q_gemm call and per q_prepare call, weights (random block bytes:
-    the speed does not depend on their values) cycling through copies of ≥ 256 MiB."""
-    row_bytes = lib.q_row_bytes(ggml_type, n)
-    copies = max(1, (256 << 20) // (out * row_bytes))
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    """Best seconds per q_gemm call and per q_prepare call, weights cycling through copies of
+    ≥ 256 MiB (weight_copies)."""
+    ws = weight_copies(ggml_type, out, n)
     x = torch.randn(rows, n)
     xq = torch.empty(rows * lib.q_act_bytes(ggml_type, n), dtype=torch.uint8)
     y = torch.empty(rows, out)
@@ -158,10 +173,7 @@ def paired_quant(lib, other, ggml_type: int, out: int, n: int, rows: int, thread
                  clock=time.perf_counter) -> tuple[float, float]:
     """Best seconds per q_gemm call of `lib` and of `other` (another build), the same weights
     and prepared activations, timed in alternating rounds."""
-    row_bytes = lib.q_row_bytes(ggml_type, n)
-    copies = max(1, (256 << 20) // (out * row_bytes))
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    ws = weight_copies(ggml_type, out, n)
     x = torch.randn(rows, n)
     xq = torch.empty(rows * lib.q_act_bytes(ggml_type, n), dtype=torch.uint8)
     lib.q_prepare(ggml_type, x.data_ptr(), n, rows, xq.data_ptr())
@@ -181,26 +193,23 @@ def paired_quant(lib, other, ggml_type: int, out: int, n: int, rows: int, thread
 
 def paired_types(lib, types: tuple[int, int], out: int, n: int, rows: int, threads: int, rounds: int,
                  clock=time.perf_counter) -> tuple[float, float]:
-    """Best seconds per q_gemm call of two type ids of one build (a type and its x8 layout:
-    the same row bytes, random, so the same speed whatever their values), alternating rounds."""
-    row_bytes = lib.q_row_bytes(types[0], n)
-    copies = max(1, (256 << 20) // (out * row_bytes))
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randint(0, 256, (out, row_bytes), dtype=torch.uint8, generator=g) for _ in range(min(copies, 64))]
+    """Best seconds per q_gemm call of two type ids of one build (a type and its x8 layout: the
+    same matrix, weight_copies), alternating rounds."""
+    ws = {t: weight_copies(t, out, n) for t in types}
     x = torch.randn(rows, n)
     xq = torch.empty(rows * lib.q_act_bytes(types[0], n), dtype=torch.uint8)
     lib.q_prepare(types[0], x.data_ptr(), n, rows, xq.data_ptr())
     y = torch.empty(rows, out)
     best = [float("inf"), float("inf")]
     for t in types:
-        for w in ws[:3]:
+        for w in ws[t][:3]:
             lib.q_gemm(t, w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
     for _ in range(rounds):
         for i in (1, 0):
             t0 = clock()
-            for w in ws:
+            for w in ws[types[i]]:
                 lib.q_gemm(types[i], w.data_ptr(), out, n, xq.data_ptr(), rows, y.data_ptr(), out, threads)
-            best[i] = min(best[i], (clock() - t0) / len(ws))
+            best[i] = min(best[i], (clock() - t0) / len(ws[types[i]]))
     return best[0], best[1]
 
 

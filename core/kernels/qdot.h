@@ -145,6 +145,9 @@ int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
 /* x8 of a K type (Q4_K, Q6_K: its id + QT_X8; qdot_kquants.c): tiles of 8 weight rows × 1–4
  * activation rows (y[r·ldy + i] for i < 8), row i of a group → float32, a group → x8. */
 qtile_fn twq_kx8_tile(int type, int reference);
+/* Two consecutive x8 groups (16 weight rows: y[r·ldy + i] for i < 16), each row's result bit
+ * for bit the one-group tile's; NULL where the build has none for the type. */
+qtile_fn twq_kx8_pair_tile(int type);
 int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 #endif

@@ -466,46 +466,60 @@ static void ref_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
 }
 
 #ifdef __AVX2__
-static inline __attribute__((always_inline)) void tile_kx8(const int NR, const uint8_t *w, const uint8_t *x,
-                                                           int64_t xs, int64_t n, float *y, int64_t ldy) {
-    const int64_t nb = n / QKK;
+/* G (1 or 2) consecutive groups of 8 weight rows × NR activation rows: with G = 2 each
+ * activation broadcast feeds two groups' dot products (half the shuffles per multiply,
+ * which bound the one-group tile); every (weight row, activation row) pair goes through
+ * the same instructions in the same order whatever G and NR (batch invariance). */
+static inline __attribute__((always_inline)) void tile_kx8(const int G, const int NR, const uint8_t *w,
+                                                           const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                           int64_t ldy) {
+    const int64_t nb = n / QKK, gs = nb * KX8_B; /* gs: a group's bytes */
     const __m256i low = _mm256_set1_epi8(0x0f), m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[4];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[2][4];
+    for (int g = 0; g < G; g++) for (int r = 0; r < NR; r++) acc[g][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * KX8_B;
-        for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
-        /* the 8 rows' scales and mins, byte [8k + i] = row i's of sub-block k (4k..: A, B, C) */
-        const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
-        const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
-        uint8_t sm[64]; /* scales of sub-blocks 0..7, then mins of 0..7: 8 rows each */
-        _mm256_storeu_si256((__m256i *)sm, _mm256_and_si256(A, m63));
-        _mm256_storeu_si256((__m256i *)(sm + 32),
-                            _mm256_or_si256(_mm256_and_si256(C, low), _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
-        uint8_t mn[64];
-        _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(B, m63));
-        _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
-                                                                  _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
-        __m256i isum[4], imin[4];
-        for (int r = 0; r < NR; r++) isum[r] = imin[r] = _mm256_setzero_si256();
+        uint8_t sm[2][64], mn[2][64]; /* per group: scales of sub-blocks 0..7, then mins of 0..7: 8 rows each */
+        __m256i isum[2][4], imin[2][4];
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + g * gs + b * KX8_B;
+            for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+            /* the 8 rows' scales and mins, byte [8k + i] = row i's of sub-block k (4k..: A, B, C) */
+            const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
+            const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
+            const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
+            _mm256_storeu_si256((__m256i *)sm[g], _mm256_and_si256(A, m63));
+            _mm256_storeu_si256((__m256i *)(sm[g] + 32), _mm256_or_si256(_mm256_and_si256(C, low),
+                                                                         _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+            _mm256_storeu_si256((__m256i *)mn[g], _mm256_and_si256(B, m63));
+            _mm256_storeu_si256((__m256i *)(mn[g] + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                                         _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+            for (int r = 0; r < NR; r++) isum[g][r] = imin[g][r] = _mm256_setzero_si256();
+        }
         /* mins: int32 lane i = mn_i[2k] | mn_i[2k+1] << 16, against (bsum32[2k], bsum32[2k+1]) */
         for (int k = 0; k < 4; k++) {
-            const __m128i t = _mm_loadu_si128((const __m128i *)(mn + 16 * k));
-            const __m256i mp = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(t, _mm_srli_si128(t, 8)));
+            __m256i mp[2];
+            for (int g = 0; g < G; g++) {
+                const __m128i t = _mm_loadu_si128((const __m128i *)(mn[g] + 16 * k));
+                mp[g] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(t, _mm_srli_si128(t, 8)));
+            }
             for (int r = 0; r < NR; r++) {
                 const int16_t *bs = K_BSUMS(x + r * xs, n) + 16 * b + 4 * k;
                 const uint32_t word = (uint16_t)(bs[0] + bs[1]) | (uint32_t)(uint16_t)(bs[2] + bs[3]) << 16;
-                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mp, _mm256_set1_epi32((int)word)));
+                const __m256i wv = _mm256_set1_epi32((int)word);
+                for (int g = 0; g < G; g++) imin[g][r] = _mm256_add_epi32(imin[g][r], _mm256_madd_epi16(mp[g], wv));
             }
         }
         for (int k = 0; k < 4; k++) { /* sub-blocks 2k (low nibbles) and 2k + 1 (high) */
-            __m256i s[4], t[4];
-            for (int r = 0; r < NR; r++) s[r] = t[r] = _mm256_setzero_si256();
+            __m256i s[2][4], t[2][4];
+            for (int g = 0; g < G; g++) for (int r = 0; r < NR; r++) s[g][r] = t[g][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * (8 * k + j)));
-                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                __m256i lo[2], hi[2];
+                for (int g = 0; g < G; g++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + g * gs + b * KX8_B + 128 + 32 * (8 * k + j)));
+                    lo[g] = _mm256_and_si256(raw, low);
+                    hi[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) { /* 16-byte loads + in-lane shuffles (the load pipes bind) */
                     const uint8_t *xb = x + r * xs + b * QKK + 64 * k + 16 * (j / 4);
@@ -518,33 +532,51 @@ static inline __attribute__((always_inline)) void tile_kx8(const int NR, const u
                     case 2: al = _mm256_shuffle_epi32(xl, 0xaa); ah = _mm256_shuffle_epi32(xh, 0xaa); break;
                     default: al = _mm256_shuffle_epi32(xl, 0xff); ah = _mm256_shuffle_epi32(xh, 0xff); break;
                     }
-                    s[r] = qd_dot_u8s8(s[r], lo, al);
-                    t[r] = qd_dot_u8s8(t[r], hi, ah);
+                    for (int g = 0; g < G; g++) {
+                        s[g][r] = qd_dot_u8s8(s[g][r], lo[g], al);
+                        t[g][r] = qd_dot_u8s8(t[g][r], hi[g], ah);
+                    }
                 }
             }
-            const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 16 * k)));
-            const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 16 * k + 8)));
-            for (int r = 0; r < NR; r++)
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(s[r], sl),
-                                                                     _mm256_mullo_epi32(t[r], sh)));
+            for (int g = 0; g < G; g++) {
+                const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm[g] + 16 * k)));
+                const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm[g] + 16 * k + 8)));
+                for (int r = 0; r < NR; r++)
+                    isum[g][r] = _mm256_add_epi32(isum[g][r], _mm256_add_epi32(_mm256_mullo_epi32(s[g][r], sl),
+                                                                               _mm256_mullo_epi32(t[g][r], sh)));
+            }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        for (int r = 0; r < NR; r++) {
-            const __m256 dx = _mm256_set1_ps(K_D(x + r * xs, n)[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, mw), _mm256_cvtepi32_ps(imin[r]), acc[r]);
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + g * gs + b * KX8_B;
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            for (int r = 0; r < NR; r++) {
+                const __m256 dx = _mm256_set1_ps(K_D(x + r * xs, n)[b]);
+                acc[g][r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(isum[g][r]), acc[g][r]);
+                acc[g][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, mw), _mm256_cvtepi32_ps(imin[g][r]), acc[g][r]);
+            }
         }
     }
-    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+    for (int g = 0; g < G; g++) for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy + 8 * g, acc[g][r]);
 }
 
 static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
     switch (nr) {
-    case 4: tile_kx8(4, w, x, xs, n, y, ldy); return;
-    case 3: tile_kx8(3, w, x, xs, n, y, ldy); return;
-    case 2: tile_kx8(2, w, x, xs, n, y, ldy); return;
-    default: tile_kx8(1, w, x, xs, n, y, ldy); return;
+    case 4: tile_kx8(1, 4, w, x, xs, n, y, ldy); return;
+    case 3: tile_kx8(1, 3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8(1, 2, w, x, xs, n, y, ldy); return;
+    default: tile_kx8(1, 1, w, x, xs, n, y, ldy); return;
+    }
+}
+
+/* Two consecutive groups (16 weight rows, y[r·ldy + i] for i < 16). */
+static void avx2_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,
+                            int64_t ldy) {
+    switch (nr) {
+    case 4: tile_kx8(2, 4, w, x, xs, n, y, ldy); return;
+    case 3: tile_kx8(2, 3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8(2, 2, w, x, xs, n, y, ldy); return;
+    default: tile_kx8(2, 1, w, x, xs, n, y, ldy); return;
     }
 }
 #endif
@@ -641,4 +673,14 @@ qtile_fn twq_kx8_tile(int type, int reference) {
 #endif
     (void)reference;
     return type == QT_Q6_K ? ref_kx8_q6_k : ref_kx8_q4_k;
+}
+
+/* A tile of two consecutive groups (16 weight rows) where this build has one, else NULL
+ * (q_gemm then runs the one-group tile per group). */
+qtile_fn twq_kx8_pair_tile(int type) {
+#ifdef __AVX2__
+    if (type == QT_Q4_K) return avx2_kx8x2_q4_k;
+#endif
+    (void)type;
+    return 0;
 }
