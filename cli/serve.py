@@ -120,44 +120,48 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
 
     from .serve_http import Parser, ServerConfig, State, Worker, create_app
 
-    loaded = load(model, revision, device, dtype, weights=weights)
-    max_new, temperature, top_k, top_p, min_p, repetition_penalty, seed = sampling_flags
-    sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p, repetition_penalty,
-                                 seed)
-    base = GenerationSettings(max_new_tokens=max_new, sampling=sampling)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
-    if (compiled := o.compile_note(engine, compile)) is not None:
-        _say(f"note: {compiled}")
-    scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
-    name = model_name or loaded.name
-    worker = Worker(scheduler)
-    state = State(worker, Parser(engine, name, base, engine.context_length),
-                  ServerConfig(name, api_key=api_key, max_queue=max_queue, cors=list(cors) if cors else None))
-    if host not in LOCAL_HOSTS and api_key is None:
-        _say(f"note: listening on {host} without an API key: anyone who can reach this address can use the "
-             "model (--api-key or TWICE_API_KEY)")
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=drain_seconds, log_config=None)
-    bound = sock.getsockname()
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    built = {}
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: drain, and exit 0 (uvicorn would re-raise the signal)
-            if not state.draining:
-                state.draining = True
-                _say(f"draining: finishing requests in flight (at most {drain_seconds:g} s)")
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
+    def build():  # on the worker's thread (Worker.start: one OpenMP pool for loading and stepping)
+        built["loaded"] = loaded = load(model, revision, device, dtype, weights=weights)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
+        return Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
 
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                _say(f"listening on http://{shown}:{bound[1]} (model {name}, {engine.decode_path} step, "
-                     f"at most {max_batch} requests together)")
-
-    worker.start()
+    worker = Worker()
+    engine, loaded = worker.start(build).engine, built["loaded"]
     try:
+        max_new, temperature, top_k, top_p, min_p, repetition_penalty, seed = sampling_flags
+        sampling = o.sampling_params(loaded.generation.sampling, temperature, top_k, top_p, min_p, repetition_penalty,
+                                     seed)
+        base = GenerationSettings(max_new_tokens=max_new, sampling=sampling)
+        if (compiled := o.compile_note(engine, compile)) is not None:
+            _say(f"note: {compiled}")
+        name = model_name or loaded.name
+        state = State(worker, Parser(engine, name, base, engine.context_length),
+                      ServerConfig(name, api_key=api_key, max_queue=max_queue, cors=list(cors) if cors else None))
+        if host not in LOCAL_HOSTS and api_key is None:
+            _say(f"note: listening on {host} without an API key: anyone who can reach this address can use the "
+                 "model (--api-key or TWICE_API_KEY)")
+        config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=drain_seconds, log_config=None)
+        bound = sock.getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: drain, and exit 0 (uvicorn would re-raise the signal)
+                if not state.draining:
+                    state.draining = True
+                    _say(f"draining: finishing requests in flight (at most {drain_seconds:g} s)")
+                if self.should_exit:
+                    self.force_exit = True
+                self.should_exit = True
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    _say(f"listening on http://{shown}:{bound[1]} (model {name}, {engine.decode_path} step, "
+                         f"at most {max_batch} requests together)")
+
         Server(config).run(sockets=[sock])
     finally:
         worker.stop(timeout=max(5.0, drain_seconds))

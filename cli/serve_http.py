@@ -79,8 +79,10 @@ class Worker:
     queue, steps the scheduler while it has work, and hands each request's events to its
     sink (a callable, run on this thread: it must only pass the event on)."""
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, scheduler=None):
+        self.scheduler = scheduler  # or built by `start(build)` on this worker's thread
+        self._build = None
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[int, object] = {}
         self.snapshot = Snapshot()
@@ -89,8 +91,20 @@ class Worker:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="twice-scheduler", daemon=True)
 
-    def start(self) -> None:
+    def start(self, build=None):
+        """Start the thread; with `build` (a callable returning the scheduler), it first runs
+        build there and this returns the scheduler (or raises build's error). Loading the
+        model on the thread that steps it keeps the process's OpenMP threads in one pool:
+        libgomp gives every thread that starts parallel work its own pool, and once the pools
+        together hold more threads than there are cores it stops spinning at barriers and
+        sleeps in futex calls instead (hundreds per step). A native step on a second thread
+        after a load on the main one ran 5x slower (SmolLM2, 2 threads on 2 cores: ~13 ms
+        against ~2.5 ms; scripts/bench_serve.py at 1 client 0.2x sequential)."""
+        self._build = build
         self.thread.start()
+        if build is not None:
+            return self._ready.result()
+        return self.scheduler
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel what runs and end the thread."""
@@ -116,6 +130,13 @@ class Worker:
     def _loop(self) -> None:
         from twice.core.errors import TwiceError
 
+        if self._build is not None:
+            try:
+                self.scheduler = self._build()
+            except BaseException as e:  # noqa: BLE001 - the caller's thread raises it
+                self._ready.set_exception(e)
+                return
+            self._ready.set_result(self.scheduler)
         s = self.scheduler
         while True:
             block = not s.has_work

@@ -357,3 +357,45 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model, tmp_path_facto
     assert texts[-1] == "data: [DONE]"
     assert json.loads(texts[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert any("draining" in line for line in s.lines)
+
+
+class _IdleScheduler:
+    """What Worker reads of a scheduler with nothing to do."""
+
+    has_work, running, waiting_count = False, (), 0
+
+    def cache_bytes(self):
+        return 0, 0
+
+    class counters:  # noqa: N801 - an attribute holder, as Scheduler.counters
+        @staticmethod
+        def to_dict():
+            return {}
+
+
+def test_the_worker_builds_its_scheduler_on_its_own_thread():
+    """`twice serve` loads the model on the thread that steps it (one OpenMP pool: a native
+    step on a second thread after a load on the main one ran 5x slower, libgomp sleeping at
+    every barrier): Worker.start(build) runs build there and returns its scheduler; build's
+    error is raised by start."""
+    from twice.cli.serve_http import Worker
+    from twice.core.errors import PromptError
+
+    ran_on = []
+    worker = Worker()
+    scheduler = worker.start(lambda: ran_on.append(threading.get_ident()) or _IdleScheduler())
+    try:
+        assert isinstance(scheduler, _IdleScheduler) and worker.scheduler is scheduler
+        assert ran_on == [worker.thread.ident] != [threading.get_ident()]
+    finally:
+        worker.stop(timeout=10)
+    assert not worker.thread.is_alive()
+
+    def fail():
+        raise PromptError("no such model")
+
+    failing = Worker()
+    with pytest.raises(PromptError, match="no such model"):
+        failing.start(fail)
+    failing.thread.join(10)
+    assert not failing.thread.is_alive()
