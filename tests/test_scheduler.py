@@ -209,3 +209,27 @@ def test_constraint_masks_the_row(llama):
     done = {e.row: e.result for e in s.run() if isinstance(e, Done)}
     assert set(done[a].token_ids) <= {5, 6, 7} and only.seen == done[a].token_ids
     assert done[b].token_ids == _alone(llama, [PROMPTS[1]], [st])[0].token_ids
+
+
+@native
+def test_finished_rows_leave_once_a_quarter_of_the_batch_is_free(llama):
+    """With nothing waiting, finished rows stay in the batch (computed, never read) until a
+    quarter of it is free, then leave in one compaction (each compaction copies the cache);
+    every request still gets its own tokens."""
+    new = [3, 5, 7, 9, 11, 13, 15, 17]
+    prompts = [list(range(3 + i, 9 + i)) for i in range(8)]
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in new]
+    want = [r.token_ids for r in _alone(llama, prompts, settings)]
+    s = Scheduler(llama, max_batch=8, prefix_reuse=False)
+    ids = [s.submit(p, st) for p, st in zip(prompts, settings)]
+    done, batches = {}, []
+    while s.has_work:
+        for event in s.step():
+            if isinstance(event, Done):
+                done[event.row] = event.result.token_ids
+        live = sum(1 for x in s.slots if x is not None and x.state == "running")
+        batches.append((len(s.slots), live))
+    assert [done[i] for i in ids] == want
+    assert all(4 * live > 3 * rows or rows == live for rows, live in batches if rows and live), batches
+    assert (8, 7) in batches  # one free row of 8: not yet compacted
+    assert (6, 6) in batches and (8, 6) not in batches  # two (a quarter): compacted in that step
