@@ -44,8 +44,8 @@ _FIELDS = {
 }
 TYPES = frozenset(_FIELDS)
 # Layouts the kernels take but loading does not apply (eligible says no): Q6_K's x8 tile is
-# correct but slower than the rows as stored on Zen 4 (Qwen2.5-Coder-0.5B Q4_K_M native step,
-# 1 thread, 4 rows: 35 against 25 ms with it applied; notes/q6k8.md)
+# correct but does not pay on Zen 4: applied at load, the whole native step of Qwen2.5-Coder
+# 1.5B / 0.5B Q4_K_M ran 1.00-1.09x / 0.89-1.04x (2 threads, 1-16 rows, paired; README)
 NOT_AT_LOAD = frozenset({"Q6_K"})
 
 
