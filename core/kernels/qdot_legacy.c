@@ -390,6 +390,15 @@ REF_X8_TILE(QT_Q5_1, ref_x8_q5_1)
 REF_X8_TILE(QT_Q8_0, ref_x8_q8_0)
 
 #ifdef __AVX2__
+/* The x8 tiles' constants of a 32-value type T (a compile-time constant there): whether it has
+ * mins (Q4_1/Q5_1), offsets (Q4_0/Q5_0) and 5th bits (Q5_0/Q5_1); a row's block bytes (bs); in
+ * a group's block (B = 8·bs bytes: d[8] | m[8] | qh | quants), where qh and the quants start. */
+#define X8_LAYOUT(T)                                                                                  \
+    const int has_min = (T) == QT_Q4_1 || (T) == QT_Q5_1, has_off = (T) == QT_Q4_0 || (T) == QT_Q5_0; \
+    const int five = (T) == QT_Q5_0 || (T) == QT_Q5_1;                                                \
+    const int bs = (T) == QT_Q4_0 ? 18 : (T) == QT_Q4_1 ? 20 : (T) == QT_Q5_0 ? 22 : (T) == QT_Q5_1 ? 24 : 34; \
+    const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs
+
 /* 4 bytes of an activation row, broadcast to the 8 lanes (one vpbroadcastd from memory). */
 static inline __m256i bcast4(const uint8_t *p) {
     float f;
@@ -437,10 +446,7 @@ static inline __attribute__((always_inline)) void x8_values(const uint8_t *blk, 
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
                                                           const uint8_t *x, int64_t xs, int64_t n, float *y,
                                                           int64_t ldy) {
-    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
-    const int five = T == QT_Q5_0 || T == QT_Q5_1;
-    const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
-    const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
+    X8_LAYOUT(T);
     const int64_t nb = n / QK;
     __m256 acc[4], accm[4];
     for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
@@ -497,10 +503,7 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
                                                           const uint8_t *x, int64_t xs, int64_t n, float *y,
                                                           int64_t ldy) {
-    const int has_min = T == QT_Q4_1 || T == QT_Q5_1, has_off = T == QT_Q4_0 || T == QT_Q5_0;
-    const int five = T == QT_Q5_0 || T == QT_Q5_1;
-    const int bs = T == QT_Q4_0 ? 18 : T == QT_Q4_1 ? 20 : T == QT_Q5_0 ? 22 : T == QT_Q5_1 ? 24 : 34;
-    const int qh_at = 16 + 16 * has_min, q_at = qh_at + 32 * five, B = 8 * bs;
+    X8_LAYOUT(T);
     const int64_t nb = n / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4], accm[4];
