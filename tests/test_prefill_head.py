@@ -103,3 +103,20 @@ def _copy(m, cache: KVCache) -> KVCache:
     out.v.copy_(cache.v)
     out.length = cache.length
     return out
+
+
+@pytest.mark.parametrize("family,kind", [("llama", None), ("llama", "q8_0")])
+def test_prefill_past_256_tokens_only_for_int8_products_on_vnni(loaded, family, kind):
+    """Past PREFILL_MAX tokens the native prefill serves float32 activations over GGUF blocks
+    where the integer kernels use VNNI (there it beats the eager layers' float32 products at
+    any length); float weights, and AVX2 builds, keep the 256-token limit."""
+    from twice.core.native_decode import PREFILL_MAX
+
+    m = loaded(family, kind)
+    native = NativeDecoder(m.model)
+    vnni = bool(native.lib.twq_x8_vnni())
+    long = torch.zeros(1, PREFILL_MAX + 44, dtype=torch.int64)
+    cache = _cache(m, PREFILL_MAX + 64)
+    assert native.prefills(long[:, :PREFILL_MAX], cache)
+    assert native.prefills(long, cache) == (vnni and kind is not None)
+    assert not native.prefills(long, _cache(m, PREFILL_MAX + 8))  # it must fit
