@@ -464,7 +464,7 @@ class Scheduler:
         if self.cache is None or self.waiting or self.prefilling or self.ready:
             return
         live = [i for i, s in enumerate(self.slots) if s is not None and s.state == "running"]
-        if len(live) == len(self.slots) or 4 * len(live) > 3 * len(self.slots):
+        if 4 * len(live) > 3 * len(self.slots):  # fewer than a quarter free (none, too)
             # Compacting copies the whole cache (~2x a 16-row step of SmolLM2) to save one row's
             # share of each later step: done once a quarter of the rows is free, not per row
             # (a free row costs compute, never a result: every row's tokens are its own).
