@@ -688,6 +688,85 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
 }
 #endif
 
+#ifdef __AVX512F__
+/* The block caches' grouped attention on 16 lanes (head_dim 16·NV): KV_TILE16 tokens' keys
+ * (then values) widened once per kv head into an L1 tile, as attend_group_blocks does on 8
+ * lanes, with each head's 16 scores of a tile in one vector (sum16) and its output kept in
+ * registers over the tile. Only the order of the float sums differs from the reference. */
+#define KV_TILE16 16
+static inline void widen_tile16(const Dims *d, const uint8_t *p, int64_t tb, int64_t t, int64_t D, float *buf) {
+    for (int64_t i = 0; i < t; i++, p += tb) {
+        const uint8_t *b = p;
+        float *o = buf + i * D;
+        if (d->kv_type == KV_Q8_0)
+            for (int64_t k = 0; k < D; k += 32, b += 34, o += 32) {
+                const __m512 sc = _mm512_set1_ps(qd_f16(b));
+                const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 2)), hi = _mm_loadu_si128((const __m128i *)(b + 18));
+                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+            }
+        else
+            for (int64_t k = 0; k < D; k += 32, b += 18, o += 32) {
+                const __m512 sc = _mm512_set1_ps(qd_f16(b));
+                const __m128i x = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
+                const __m128i lo = _mm_sub_epi8(_mm_and_si128(x, m), e);  /* values 0..15, q − 8 */
+                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);  /* 16..31 */
+                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+            }
+    }
+    if (t < KV_TILE16) memset(buf + t * D, 0, (size_t)((KV_TILE16 - t) * D) * sizeof(float));
+}
+
+static inline __attribute__((always_inline)) void attend_group_blocks16(const Dims *d, const int NV, const float *q,
+                                                                        int64_t group, const uint8_t *kc,
+                                                                        const uint8_t *vc, int64_t tok, int64_t n,
+                                                                        float *s, int64_t stride, float *out) {
+    const int64_t D = 16 * NV, tb = kv_token_bytes(d);
+    float buf[KV_TILE16 * 128] __attribute__((aligned(64)));
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    kc += tok * tb, vc += tok * tb;
+    for (int64_t j = 0; j < n; j += KV_TILE16) {
+        const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
+        widen_tile16(d, kc + j * tb, tb, t, D, buf);
+        for (int64_t h = 0; h < group; h++) {
+            __m512 qv[8], acc[KV_TILE16];
+            for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + h * D + 16 * v);
+            for (int i = 0; i < KV_TILE16; i++) {
+                acc[i] = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + i * D));
+                for (int v = 1; v < NV; v++) acc[i] = _mm512_fmadd_ps(qv[v], _mm512_load_ps(buf + i * D + 16 * v), acc[i]);
+            }
+            _mm512_mask_storeu_ps(s + h * stride + j, lanes16(0, 0, t), _mm512_mul_ps(sum16(acc), scale));
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {  /* p = e^(s − max) / Σ, 16 at a time (exp16, as the float caches') */
+        float *p = s + h * stride;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, lanes16(j, 0, n), p + j));
+        const __m512 inv = _mm512_set1_ps(1.0f / exp_sum(p, 0, n, _mm512_reduce_max_ps(mv), 0));
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 live = lanes16(j, 0, n);
+            _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), inv));
+        }
+        memset(out + h * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t j = 0; j < n; j += KV_TILE16) {
+        const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
+        widen_tile16(d, vc + j * tb, tb, t, D, buf);
+        for (int64_t h = 0; h < group; h++) {
+            const float *p = s + h * stride + j;
+            __m512 o[8];
+            for (int v = 0; v < NV; v++) o[v] = _mm512_loadu_ps(out + h * D + 16 * v);
+            for (int64_t i = 0; i < t; i++) {
+                const __m512 pi = _mm512_set1_ps(p[i]);
+                for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(pi, _mm512_load_ps(buf + i * D + 16 * v), o[v]);
+            }
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + h * D + 16 * v, o[v]);
+        }
+    }
+}
+#endif
+
 /* softmax(q·K · scale) · V for the `group` query heads that share one cached kv head,
  * into out (rounded to the model dtype), with s as scratch (`stride` floats per head). */
 static void attend_group(const Dims *d, const float *q, int64_t group, const void *kc, const void *vc, int64_t base,
@@ -700,6 +779,14 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
     else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
+#ifdef __AVX512F__
+    if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && (D == 64 || D == 128)) {  /* blocks on 16 lanes */
+        if (D == 64) attend_group_blocks16(d, 4, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
+        else attend_group_blocks16(d, 8, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
+        for (int64_t i = 0; i < group * D; i++) out[i] = rnd(d, out[i]);
+        return;
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && D <= KV_TILE_MAX_D) {  /* blocks: each widened once per group */
         attend_group_blocks(d, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
