@@ -6,8 +6,10 @@ them (decode speed does not depend on the values: re-encoding spares a prefill p
 copied into every row of a batch cache, and the decode step is
 timed at each context length by setting the cache back to that many columns (the first N
 columns of the longest prefill are exactly the cache of its first N tokens). Each timing is
-the median over `repeats` rounds of `steps` decode steps (one untimed round first), through
-the step the engine would use for that cache (native, else eager: `path`).
+the median over `repeats` rounds of `steps` decode steps (one untimed round first), the kv
+dtypes' caches of one context timed in alternating rounds (the order reversed every round), so
+a change in the machine's load or bandwidth falls on all of them alike; through the step the
+engine would use for that cache (native, else eager: `path`).
 
 Per point: KV bytes (cache.bytes_per_token · batch · context: q8_0 34 bytes per 32 values),
 decode tokens/s (batch ÷ step time), the bytes one step reads (weights once + each row's K and
@@ -59,24 +61,29 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
     contexts = sorted(set(contexts))
     top = contexts[-1]
     config = model.config
-    points: list[KvPoint] = []
     one = prefilled if prefilled is not None else prefill(model, top + steps, top, say)
     one = one.k[:, :, :, : top + steps], one.v[:, :, :, : top + steps]
     first_param = next(model.parameters())
     dev, dtype = first_param.device, first_param.dtype
-    for kv in kv_dtypes:
-        engine = Engine(model, None, kv_dtype=kv)
-        cache = KVCache(config, batch, top + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
-        offset_keys_of(cache, model)  # a block cache stores keys minus the key bias, as the model's writes do
-        cache.k.copy_(cache.encode_keys(one[0]).expand_as(cache.k))  # every row: the prompt's keys as this cache stores them
-        cache.v.copy_(cache.encode(one[1]).expand_as(cache.v))
-        native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
-        step = engine.fast if native else model
-        tokens = torch.full((batch, 1), 7, device=dev)
-        for n in contexts:
-            say(f"--kv-dtype {kv}: {steps} steps at {n:,} tokens, batch {batch}")
-            times = []
-            for r in range(repeats + 1):
+    engines = {kv: Engine(model, None, kv_dtype=kv) for kv in kv_dtypes}
+    tokens = torch.full((batch, 1), 7, device=dev)
+    by_kv: dict = {kv: [] for kv in kv_dtypes}
+    for n in contexts:  # the caches of every kv dtype at once, timed in alternating rounds
+        caches, steppers = {}, {}
+        for kv, engine in engines.items():
+            cache = KVCache(config, batch, n + steps, dtype, dev, kv_heads=model.kv_heads, kv_dtype=engine.kv_dtype)
+            offset_keys_of(cache, model)  # a block cache stores keys minus the key bias, as the model's writes do
+            # every row: the prompt's keys as this cache stores them
+            cache.k.copy_(cache.encode_keys(one[0][:, :, :, : n + steps]).expand_as(cache.k))
+            cache.v.copy_(cache.encode(one[1][:, :, :, : n + steps]).expand_as(cache.v))
+            native = bool(engine.fast and engine.fast.supports(cache) and engine.fast.is_warm(cache))
+            caches[kv], steppers[kv] = cache, (engine.fast if native else model, native)
+        say(f"--kv-dtype {', '.join(kv_dtypes)}: {steps} steps at {n:,} tokens, batch {batch}, "
+            f"{repeats} alternating rounds")
+        times: dict = {kv: [] for kv in kv_dtypes}
+        for r in range(repeats + 1):
+            for kv in (kv_dtypes if r % 2 else tuple(reversed(kv_dtypes))):
+                cache, (step, _) = caches[kv], steppers[kv]
                 cache.length = n
                 synchronize(dev)
                 t0 = time.perf_counter()
@@ -84,14 +91,16 @@ def sweep(model, contexts=CONTEXTS, kv_dtypes=KV_DTYPES, batch: int = 1, steps: 
                     step(tokens, cache)
                 synchronize(dev)
                 if r:
-                    times.append((time.perf_counter() - t0) / steps)
-            step_s = statistics.median(times)
+                    times[kv].append((time.perf_counter() - t0) / steps)
+        for kv, cache in caches.items():
+            step_s = statistics.median(times[kv])
             per_token = cache.bytes_per_token
             kv_read = batch * per_token * int(n + steps / 2)
-            read = engine.weight_bytes + kv_read
-            points.append(KvPoint(cache.kv_dtype, n, batch, per_token * batch * n, per_token, step_s, batch / step_s,
-                                  read, kv_read / read, "native" if native else "eager"))
-        del cache
+            read = engines[kv].weight_bytes + kv_read
+            by_kv[kv].append(KvPoint(cache.kv_dtype, n, batch, per_token * batch * n, per_token, step_s,
+                                     batch / step_s, read, kv_read / read, "native" if steppers[kv][1] else "eager"))
+        del caches, steppers
+    points = [p for kv in kv_dtypes for p in by_kv[kv]]
     del one
     first = {p.context: p for p in points if p.kv_dtype == points[0].kv_dtype}
     for p in points:
