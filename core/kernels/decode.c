@@ -414,31 +414,45 @@ static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, i
 #define KV_TILE 8
 #define KV_TILE_MAX_D 256
 
-/* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats. */
-static inline void widen_tile(const Dims *d, const uint8_t *p, int64_t tb, int64_t t, int64_t D, float *buf) {
+/* A Q8_0 / Q4_0 block at b as its scale and its 32 values' int8 multipliers (values 0..15 in
+ * lo, 16..31 in hi; Q4_0's q − 8); returns the block's bytes. d·q is exact in float32. */
+static inline int64_t block_int8(const Dims *d, const uint8_t *b, float *scale, __m128i *lo, __m128i *hi) {
+    *scale = qd_f16(b);
+    if (d->kv_type == KV_Q8_0) {
+        *lo = _mm_loadu_si128((const __m128i *)(b + 2));
+        *hi = _mm_loadu_si128((const __m128i *)(b + 18));
+        return 34;
+    }
+    const __m128i x = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
+    *lo = _mm_sub_epi8(_mm_and_si128(x, m), e);
+    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);
+    return 18;
+}
+
+/* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats,
+ * stored 8 (AVX2) or 16 (AVX-512: `lanes`) at a time. */
+static inline __attribute__((always_inline)) void widen_tile(const Dims *d, const int lanes, const uint8_t *p,
+                                                             int64_t tb, int64_t t, int64_t D, float *buf) {
     for (int64_t i = 0; i < t; i++, p += tb) {
         const uint8_t *b = p;
-        float *o = buf + i * D;
-        if (d->kv_type == KV_Q8_0)
-            for (int64_t k = 0; k < D; k += 32, b += 34, o += 32) {
-                const __m256 s = _mm256_set1_ps(qd_f16(b));
-                const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 2)), hi = _mm_loadu_si128((const __m128i *)(b + 18));
-                _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
-                _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
-                _mm256_storeu_ps(o + 16, _mm256_mul_ps(s, q8_widen(hi)));
-                _mm256_storeu_ps(o + 24, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(hi, 8))));
+        for (float *o = buf + i * D; o < buf + (i + 1) * D; o += 32) {
+            float scale;
+            __m128i lo, hi;
+            b += block_int8(d, b, &scale, &lo, &hi);
+#ifdef __AVX512F__
+            if (lanes == 16) {
+                const __m512 sc = _mm512_set1_ps(scale);
+                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+                continue;
             }
-        else
-            for (int64_t k = 0; k < D; k += 32, b += 18, o += 32) {
-                const __m256 s = _mm256_set1_ps(qd_f16(b));
-                const __m128i x = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
-                const __m128i lo = _mm_sub_epi8(_mm_and_si128(x, m), e);  /* values 0..15, q − 8 */
-                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);  /* 16..31 */
-                _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
-                _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
-                _mm256_storeu_ps(o + 16, _mm256_mul_ps(s, q8_widen(hi)));
-                _mm256_storeu_ps(o + 24, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(hi, 8))));
-            }
+#endif
+            const __m256 s = _mm256_set1_ps(scale);
+            _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
+            _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
+            _mm256_storeu_ps(o + 16, _mm256_mul_ps(s, q8_widen(hi)));
+            _mm256_storeu_ps(o + 24, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(hi, 8))));
+        }
     }
 }
 
@@ -460,7 +474,7 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
     kc += tok * tb, vc += tok * tb;
     for (int64_t j = 0; j < n; j += KV_TILE) {
         const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
-        widen_tile(d, kc + j * tb, tb, t, D, buf);
+        widen_tile(d, 8, kc + j * tb, tb, t, D, buf);
         if (t < KV_TILE) memset(buf + t * D, 0, (size_t)((KV_TILE - t) * D) * sizeof(float));
         for (int64_t h = 0; h < group; h++) {
             const float *qh = q + h * D;
@@ -484,7 +498,7 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
     }
     for (int64_t j = 0; j < n; j += KV_TILE) {
         const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
-        widen_tile(d, vc + j * tb, tb, t, D, buf);
+        widen_tile(d, 8, vc + j * tb, tb, t, D, buf);
         for (int64_t h = 0; h < group; h++) {
             const float *p = s + h * stride + j;
             float *o = out + h * D;
@@ -688,36 +702,12 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
 }
 #endif
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)  /* block_int8: the AVX2 section */
 /* The block caches' grouped attention on 16 lanes (head_dim 16·NV): KV_TILE16 tokens' keys
  * (then values) widened once per kv head into an L1 tile, as attend_group_blocks does on 8
  * lanes, with each head's 16 scores of a tile in one vector (sum16) and its output kept in
  * registers over the tile. Only the order of the float sums differs from the reference. */
 #define KV_TILE16 16
-static inline void widen_tile16(const Dims *d, const uint8_t *p, int64_t tb, int64_t t, int64_t D, float *buf) {
-    for (int64_t i = 0; i < t; i++, p += tb) {
-        const uint8_t *b = p;
-        float *o = buf + i * D;
-        if (d->kv_type == KV_Q8_0)
-            for (int64_t k = 0; k < D; k += 32, b += 34, o += 32) {
-                const __m512 sc = _mm512_set1_ps(qd_f16(b));
-                const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 2)), hi = _mm_loadu_si128((const __m128i *)(b + 18));
-                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
-                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
-            }
-        else
-            for (int64_t k = 0; k < D; k += 32, b += 18, o += 32) {
-                const __m512 sc = _mm512_set1_ps(qd_f16(b));
-                const __m128i x = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
-                const __m128i lo = _mm_sub_epi8(_mm_and_si128(x, m), e);  /* values 0..15, q − 8 */
-                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);  /* 16..31 */
-                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
-                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
-            }
-    }
-    if (t < KV_TILE16) memset(buf + t * D, 0, (size_t)((KV_TILE16 - t) * D) * sizeof(float));
-}
-
 static inline __attribute__((always_inline)) void attend_group_blocks16(const Dims *d, const int NV, const float *q,
                                                                         int64_t group, const uint8_t *kc,
                                                                         const uint8_t *vc, int64_t tok, int64_t n,
@@ -728,7 +718,8 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
     kc += tok * tb, vc += tok * tb;
     for (int64_t j = 0; j < n; j += KV_TILE16) {
         const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
-        widen_tile16(d, kc + j * tb, tb, t, D, buf);
+        widen_tile(d, 16, kc + j * tb, tb, t, D, buf);
+        if (t < KV_TILE16) memset(buf + t * D, 0, (size_t)((KV_TILE16 - t) * D) * sizeof(float));
         for (int64_t h = 0; h < group; h++) {
             __m512 qv[8], acc[KV_TILE16];
             for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + h * D + 16 * v);
@@ -752,7 +743,7 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
     }
     for (int64_t j = 0; j < n; j += KV_TILE16) {
         const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
-        widen_tile16(d, vc + j * tb, tb, t, D, buf);
+        widen_tile(d, 16, vc + j * tb, tb, t, D, buf);
         for (int64_t h = 0; h < group; h++) {
             const float *p = s + h * stride + j;
             __m512 o[8];
@@ -779,7 +770,7 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
     else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
 #endif
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && (D == 64 || D == 128)) {  /* blocks on 16 lanes */
         if (D == 64) attend_group_blocks16(d, 4, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
         else attend_group_blocks16(d, 8, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
