@@ -619,11 +619,7 @@ static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *
         return inv;
     }
 #endif
-    const __m512 inv = _mm512_set1_ps(1.0f / exp_sum(p, 0, n, m, 0));
-    for (j = 0; j < n; j += 16) {
-        const __mmask16 live = lanes16(j, 0, n);
-        _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), inv));
-    }
+    softmax16(p, n, m);
     return 1.0f;
 }
 
@@ -734,11 +730,7 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         float *p = s + h * stride;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, lanes16(j, 0, n), p + j));
-        const __m512 inv = _mm512_set1_ps(1.0f / exp_sum(p, 0, n, _mm512_reduce_max_ps(mv), 0));
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 live = lanes16(j, 0, n);
-            _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), inv));
-        }
+        softmax16(p, n, _mm512_reduce_max_ps(mv));
         memset(out + h * D, 0, (size_t)D * sizeof(float));
     }
     for (int64_t j = 0; j < n; j += KV_TILE16) {
