@@ -373,16 +373,27 @@ class NativeDecoder:
     def warmup(self, cache: KVCache) -> float:
         return 0.0
 
+    steps_rows = True  # __call__ takes `rows` (core/scheduler.py: free rows are not computed)
+
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [B, 1] at column cache.length → logits [B, V] float32; advances the cache."""
-        column, rows = cache.length, cache.batch
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, rows: list[int] | None = None) -> torch.Tensor:
+        """tokens [B, 1] at column cache.length → logits [B, V] float32; advances the cache.
+        `rows`: only these rows of the cache (B of them, in this order) run, the others are
+        neither computed nor written (a scheduler's free rows cost nothing); each row's
+        result is the same bits either way (batch invariance)."""
+        column = cache.length
         if column >= cache.capacity:
             raise ValueError(f"cache holds {cache.capacity} tokens; {column} + 1 do not fit")
         ids = tokens.reshape(-1).to(torch.int64).contiguous()
-        if ids.numel() != rows:
-            raise ValueError(f"{ids.numel()} tokens for a cache of {rows} rows")
-        logits = self._step(ids, cache, column, column + 1)
+        want = cache.batch if rows is None else len(rows)
+        if ids.numel() != want:
+            raise ValueError(f"{ids.numel()} tokens for {want} rows")
+        cache_rows = None
+        if rows is not None:
+            cache_rows = torch.tensor(rows, dtype=torch.int64)
+            if want and not (0 <= int(cache_rows.min()) and int(cache_rows.max()) < cache.batch):
+                raise ValueError(f"a row outside the cache of {cache.batch} rows")
+        logits = self._step(ids, cache, column, column + 1, cache_rows)
         cache.length = column + 1
         return logits
 

@@ -25,9 +25,13 @@ no row is free, or the prompt is longer than the columns so far, or the cache ha
 left, is the cache laid out again: live rows only, shifted left so that the oldest row
 starts at column 0 (or right, to make room for a longer prompt), capacity for every
 row's remaining tokens. That copy of the columns in use is the cost of a join that grows
-the batch; a finished row whose place a waiting request takes costs nothing. A finished
-row stays in the cache (computing a throw-away token per step) while requests wait or
-prefill, and leaves when none do.
+the batch; a finished row whose place a waiting request takes costs nothing. With the native step a layout
+also keeps rows for the requests already waiting or prefilling, and a free row is neither
+computed nor written (the step runs the live rows only), so finished rows simply stay until
+the batch is empty; a new layout is built in the old cache's memory where it fits
+(KVCache.relaid: a fresh 100 MB cache costs 80-170 ms of page faults on a 2-core VM). With
+the eager layers every row is computed: a finished row stays (computing a throw-away token
+per step) while requests wait or prefill, and finished rows leave when none do.
 
 Results: with the native step each row's arithmetic is independent of its neighbours
 (batch invariance), and a prompt is prefilled alone at its own length, so a greedy
@@ -157,6 +161,7 @@ class Scheduler:
         self.ready: collections.deque[_Seq] = collections.deque()  # prefilled, first token out, waiting for a row
         self.slots: list[_Seq | None] = []  # the batch cache's rows (None or a finished seq: free)
         self.cache: KVCache | None = None
+        self._spare: KVCache | None = None  # the last batch cache, once every row finished
         self.retained: collections.deque[_Retained] = collections.deque()
         self.seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
@@ -240,7 +245,9 @@ class Scheduler:
             per = self.cache.bytes_per_token
             used += sum(per * (self.cache.length - self._start(i)) for i, s in enumerate(self.slots)
                         if s is not None and s.state == "running")
-            allocated += self.cache.bytes_allocated
+            allocated += self.cache.bytes_held
+        if self._spare is not None:
+            allocated += self._spare.bytes_held
         for s in self.prefilling + list(self.ready):
             if s.own is not None:
                 used += s.own.bytes_per_token * s.own.length
@@ -436,41 +443,52 @@ class Scheduler:
         later = list(self.waiting) + self.prefilling
         length = max([span] + [s.own.length for s in joining] + [len(s.row.ids) for s in later])
         rows = len(keep) + len(joining)
+        if self._steps_rows():  # free rows cost nothing: room for the requests known to come
+            rows = max(rows, min(self.max_batch, rows + len(later)))
         need = max([self._remaining(s) for _, s in keep] + [self._remaining(j) for j in joining]
                    + [s.row.max_new for s in later])
         capacity = length + max(need, 1)
         capacity = max(capacity, min(capacity + need // HEADROOM, engine.context_length))
         capacity = -(-capacity // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
-        cache = KVCache(engine.config, rows, capacity, engine.dtype, engine.device, kv_heads=engine.model.kv_heads,
-                        kv_dtype=engine.kv_dtype)
+        shift = length - span - lo  # old column c goes to c + shift
+        moves = [(i, self._start(i), self._start(i) + shift) for i, _ in keep]
+        if old is None and self._spare is None:
+            cache = KVCache(engine.config, rows, capacity, engine.dtype, engine.device,
+                            kv_heads=engine.model.kv_heads, kv_dtype=engine.kv_dtype)
+        else:  # in the old (or last) cache's memory where it fits
+            cache = (old or self._spare).relaid(moves, old.length if old else 0, rows, capacity)
+            self._spare = None
         cache.starts = torch.zeros(rows, dtype=torch.int64, device=engine.device)
         cache.length = length
-        shift = length - span - lo  # old column c goes to c + shift
         slots: list[_Seq | None] = []
-        for new, (i, s) in enumerate(keep):
-            a = self._start(i)
-            cache.k[:, new, :, a + shift:length] = old.k[:, i, :, a:old.length]
-            cache.v[:, new, :, a + shift:length] = old.v[:, i, :, a:old.length]
-            cache.starts[new] = a + shift
+        for new, ((_, _, at), (_, s)) in enumerate(zip(moves, keep)):
+            cache.starts[new] = at
             s.slot = new
             slots.append(s)
-        self.cache, self.slots = cache, slots + [None] * len(joining)
+        self.cache, self.slots = cache, slots + [None] * (rows - len(keep))
         for k, seq in enumerate(joining):
             self._place(seq, len(keep) + k, length - seq.own.length)
         self.counters.relayouts += 1
+
+    def _steps_rows(self) -> bool:
+        """Whether the decode step runs only the live rows of the batch cache (the native
+        step), so that a free row costs memory, not compute."""
+        return bool(getattr(self.engine.fast, "steps_rows", False))
 
     def _free_rows(self) -> None:
         """Finished rows leave the batch when no request waits to take their place."""
         if self.cache is None or self.waiting or self.prefilling or self.ready:
             return
         live = [i for i, s in enumerate(self.slots) if s is not None and s.state == "running"]
+        if live and self._steps_rows():
+            return  # free rows cost no compute: compacting would only copy the cache
         if 4 * len(live) > 3 * len(self.slots):  # fewer than a quarter free (none, too)
             # Compacting copies the whole cache (~2x a 16-row step of SmolLM2) to save one row's
             # share of each later step: done once a quarter of the rows is free, not per row
             # (a free row costs compute, never a result: every row's tokens are its own).
             return
-        if not live:
-            self.cache, self.slots = None, []
+        if not live:  # its memory serves the next layout (no page faults then)
+            self._spare, self.cache, self.slots = self.cache, None, []
             return
         self.cache.keep_rows(live)
         self.slots = [self.slots[i] for i in live]
@@ -489,12 +507,14 @@ class Scheduler:
         feed = [s.last if s is not None and s.state == "running" else 0 for s in self.slots]
         tokens = torch.tensor(feed, device=engine.device).unsqueeze(1)
         t = time.perf_counter()
+        rows = [i for i, _ in live]
         with engine._out_of_memory(cache, f"decoding {cache.batch} rows at {cache.length} tokens"):
-            if engine._fast_ready(cache):
+            if engine._fast_ready(cache) and self._steps_rows() and len(rows) < cache.batch:
+                logits = engine.fast(tokens[rows], cache, rows=rows)  # the live rows only
+            elif engine._fast_ready(cache):
                 logits = engine.fast(tokens, cache)
             else:
                 logits = engine.model(tokens, cache)
-        rows = [i for i, _ in live]
         chosen = self._sample_rows([s for _, s in live], logits[rows] if len(rows) != logits.shape[0] else logits)
         seconds = time.perf_counter() - t
         self.counters.decode_seconds += seconds

@@ -118,6 +118,28 @@ def test_keep_rows_grow_truncate_keep_the_blocks():
     assert cache.length == 4 and cache.bytes_in_use == cache.bytes_per_token * 2 * 4
 
 
+@pytest.mark.parametrize("kv", ["float32", "q8_0"])
+def test_relaid_moves_the_columns_in_place_or_fresh(kv):
+    """KVCache.relaid (the scheduler's new layouts): each moved row's columns land where asked,
+    whether the new layout is built in the old memory (smaller layers: ascending; larger ones
+    in a larger buffer's slack: descending) or in fresh memory (larger than the buffer)."""
+    cache = KVCache(_C, 4, 40, torch.float32, "cpu", kv_dtype=kv)
+    cache.k.copy_(torch.randint(0, 100, cache.k.shape).to(cache.k.dtype))
+    cache.v.copy_(torch.randint(0, 100, cache.v.shape).to(cache.v.dtype))
+    base = cache.k.untyped_storage().data_ptr()
+    for rows, capacity, in_place in [(3, 30, True), (2, 20, True), (3, 50, True), (2, 100, False)]:
+        moves = [(cache.batch - 1, 5, 1), (0, 12, 0)]
+        end = 18
+        want = [(cache.k[:, r, :, first:end].clone(), cache.v[:, r, :, first:end].clone()) for r, first, _ in moves]
+        cache = cache.relaid(moves, end, rows, capacity)
+        assert cache.k.shape[1] == rows and cache.capacity == capacity == cache.k.shape[3]
+        assert (cache.k.untyped_storage().data_ptr() == base) == in_place, (rows, capacity)
+        for r, ((_, first, at), (k, v)) in enumerate(zip(moves, want)):
+            assert torch.equal(cache.k[:, r, :, at:at + end - first], k), (rows, capacity, r)
+            assert torch.equal(cache.v[:, r, :, at:at + end - first], v), (rows, capacity, r)
+    assert cache.bytes_held >= cache.bytes_allocated
+
+
 def test_a_head_size_that_is_not_whole_blocks_is_refused():
     class C24(_C):
         head_dim = 24

@@ -212,15 +212,49 @@ def test_constraint_masks_the_row(llama):
 
 
 @native
-def test_finished_rows_leave_once_a_quarter_of_the_batch_is_free(llama):
-    """With nothing waiting, finished rows stay in the batch (computed, never read) until a
-    quarter of it is free, then leave in one compaction (each compaction copies the cache);
+def test_free_rows_are_neither_computed_nor_compacted(llama, monkeypatch):
+    """The native step runs only the live rows of the batch cache, so a finished row's place
+    costs nothing: it stays (no compaction copying the cache) until every row is done, and
     every request still gets its own tokens."""
     new = [3, 5, 7, 9, 11, 13, 15, 17]
     prompts = [list(range(3 + i, 9 + i)) for i in range(8)]
     settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in new]
     want = [r.token_ids for r in _alone(llama, prompts, settings)]
+    computed = []
+    step = type(llama.fast).__call__
+
+    def counting(self, tokens, cache, rows=None):
+        computed.append(cache.batch if rows is None else len(rows))
+        return step(self, tokens, cache, rows=rows)
+
+    monkeypatch.setattr(type(llama.fast), "__call__", counting)
     s = Scheduler(llama, max_batch=8, prefix_reuse=False)
+    ids = [s.submit(p, st) for p, st in zip(prompts, settings)]
+    done, batches = {}, []
+    while s.has_work:
+        live = sum(1 for x in s.slots if x is not None and x.state == "running")
+        before = len(computed)
+        for event in s.step():
+            if isinstance(event, Done):
+                done[event.row] = event.result.token_ids
+        if len(computed) > before and live:
+            batches.append((len(s.slots) or 8, live, computed[-1]))
+    assert [done[i] for i in ids] == want
+    assert all(rows == 8 for rows, _, _ in batches), batches  # never compacted
+    assert [n for _, _, n in batches if n < 8] and all(n == live for _, live, n in batches if live < 8), batches
+
+
+def test_the_eager_step_compacts_once_a_quarter_of_the_batch_is_free(model_dirs):
+    """Where the step computes every row (the eager layers), finished rows stay in the batch
+    (computed, never read) until a quarter of it is free, then leave in one compaction."""
+    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="float32")
+    engine = Engine(m.model, m.tokenizer, m.eos_token_ids)
+    engine.fast = None
+    new = [3, 5, 7, 9, 11, 13, 15, 17]
+    prompts = [list(range(3 + i, 9 + i)) for i in range(8)]
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in new]
+    want = [r.token_ids for r in _alone(engine, prompts, settings)]
+    s = Scheduler(engine, max_batch=8, prefix_reuse=False)
     ids = [s.submit(p, st) for p, st in zip(prompts, settings)]
     done, batches = {}, []
     while s.has_work:
