@@ -8,9 +8,11 @@ native step's grouped attention over blocks.
   write give the keys back with the bias added. Here a tiny qwen2 gets a bias of ±60 on a few
   channels: with the offset q8_0's logits stay within what they are without such a bias;
   without it they move several times more.
-- decode.c's AVX2 attention over blocks widens 8 tokens' keys (then values) once into a tile
-  that every query head of the group reads; native = eager on the dequantized columns within
-  1e-4 (fp32), for groups of 1, 3 and 7 query heads, every column count from 17 to 36.
+- decode.c's attention over blocks widens each key (then value) once for the query heads of
+  the group that read it (AVX2: 8 tokens into a tile; AVX-512: into registers, for runs of up
+  to 4 heads); native = eager on the dequantized columns within
+  1e-4 (fp32), for groups of 1, 3 and 7 query heads (head size 64) and 5 (128), every column
+  count from 17 to 36.
 """
 
 import pytest
@@ -51,8 +53,9 @@ def models(tmp_path_factory, tokenizer):
     def get(name: str):
         if name not in built:
             c = tiny.hf_config("qwen2" if name.startswith("qwen2") else "llama")
-            c.head_dim = 64
-            heads, kv = {"qwen2-bias": (6, 2), "qwen2-plain": (6, 2), "g1": (2, 2), "g3": (6, 2), "g7": (7, 1)}[name]
+            c.head_dim = 128 if name.endswith("hd128") else 64
+            heads, kv = {"qwen2-bias": (6, 2), "qwen2-plain": (6, 2), "g1": (2, 2), "g3": (6, 2), "g7": (7, 1),
+                         "g5-hd128": (5, 1)}[name]
             c.num_attention_heads, c.num_key_value_heads = heads, kv
             c.hidden_size = 64 * heads
             built[name] = _save(root / name, c, tokenizer, 60.0 if name == "qwen2-bias" else 0.0)
@@ -182,7 +185,7 @@ def test_native_first_write_sets_the_offset(models):
 
 
 @native_only
-@pytest.mark.parametrize("group", ["g1", "g3", "g7"])
+@pytest.mark.parametrize("group", ["g1", "g3", "g7", "g5-hd128"])  # runs of 4 (head size 64) or 2 (128) heads
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 def test_grouped_block_attention_equals_the_reference(models, group, kv):
     m = load(str(models(group)), device="cpu", dtype="float32")

@@ -429,24 +429,14 @@ static inline int64_t block_int8(const Dims *d, const uint8_t *b, float *scale, 
     return 18;
 }
 
-/* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats,
- * stored 8 (AVX2) or 16 (AVX-512: `lanes`) at a time. */
-static inline __attribute__((always_inline)) void widen_tile(const Dims *d, const int lanes, const uint8_t *p,
-                                                             int64_t tb, int64_t t, int64_t D, float *buf) {
+/* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats. */
+static inline void widen_tile(const Dims *d, const uint8_t *p, int64_t tb, int64_t t, int64_t D, float *buf) {
     for (int64_t i = 0; i < t; i++, p += tb) {
         const uint8_t *b = p;
         for (float *o = buf + i * D; o < buf + (i + 1) * D; o += 32) {
             float scale;
             __m128i lo, hi;
             b += block_int8(d, b, &scale, &lo, &hi);
-#ifdef __AVX512F__
-            if (lanes == 16) {
-                const __m512 sc = _mm512_set1_ps(scale);
-                _mm512_store_ps(o, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
-                _mm512_store_ps(o + 16, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
-                continue;
-            }
-#endif
             const __m256 s = _mm256_set1_ps(scale);
             _mm256_storeu_ps(o, _mm256_mul_ps(s, q8_widen(lo)));
             _mm256_storeu_ps(o + 8, _mm256_mul_ps(s, q8_widen(_mm_srli_si128(lo, 8))));
@@ -474,7 +464,7 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
     kc += tok * tb, vc += tok * tb;
     for (int64_t j = 0; j < n; j += KV_TILE) {
         const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
-        widen_tile(d, 8, kc + j * tb, tb, t, D, buf);
+        widen_tile(d, kc + j * tb, tb, t, D, buf);
         if (t < KV_TILE) memset(buf + t * D, 0, (size_t)((KV_TILE - t) * D) * sizeof(float));
         for (int64_t h = 0; h < group; h++) {
             const float *qh = q + h * D;
@@ -498,7 +488,7 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
     }
     for (int64_t j = 0; j < n; j += KV_TILE) {
         const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
-        widen_tile(d, 8, vc + j * tb, tb, t, D, buf);
+        widen_tile(d, vc + j * tb, tb, t, D, buf);
         for (int64_t h = 0; h < group; h++) {
             const float *p = s + h * stride + j;
             float *o = out + h * D;
@@ -699,53 +689,93 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)  /* block_int8: the AVX2 section */
-/* The block caches' grouped attention on 16 lanes (head_dim 16·NV): KV_TILE16 tokens' keys
- * (then values) widened once per kv head into an L1 tile, as attend_group_blocks does on 8
- * lanes, with each head's 16 scores of a tile in one vector (sum16) and its output kept in
- * registers over the tile. Only the order of the float sums differs from the reference. */
+/* Block v (16 values) of a token's head vector as floats: the block's scale times its int8
+ * multipliers (exact in float32: the reference's dequantized values). `scale`, lo and hi
+ * are those of the 32-value block holding it (block_int8). */
+static inline __m512 widen16(float scale, __m128i lo, __m128i hi, int half) {
+    return _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half ? hi : lo)));
+}
+
+/* The block caches' grouped attention on 16 lanes (head_dim 16·NV), NH (≤ 4) query heads of
+ * the group at a time: each token's key (then value) is widened once into registers and
+ * meets all NH heads there (no float copy of a tile, no reload of it per head); each head's
+ * 16 scores of a tile are summed into one vector (sum16) from partial products kept in a
+ * small aligned buffer, and its output stays in registers over all the values. Only the
+ * order of the float sums differs from the reference. */
 #define KV_TILE16 16
+static inline __attribute__((always_inline)) void attend_heads_blocks16(const Dims *d, const int NV, const int NH,
+                                                                        const float *q, const uint8_t *kc,
+                                                                        const uint8_t *vc, int64_t n, float *s,
+                                                                        int64_t stride, float *out) {
+    const int64_t D = 16 * NV, tb = kv_token_bytes(d);
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    __m512 qv[4][8];
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) qv[h][v] = _mm512_loadu_ps(q + h * D + 16 * v);
+    for (int64_t j = 0; j < n; j += KV_TILE16) {
+        const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
+        __m512 part[4][KV_TILE16];
+        for (int64_t i = 0; i < KV_TILE16; i++) {
+            __m512 acc[4];
+            for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
+            if (i < t) {
+                const uint8_t *b = kc + (j + i) * tb;
+                for (int v = 0; v < NV; v += 2) {
+                    float sc;
+                    __m128i lo, hi;
+                    b += block_int8(d, b, &sc, &lo, &hi);
+                    const __m512 k0 = widen16(sc, lo, hi, 0), k1 = widen16(sc, lo, hi, 1);
+                    for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(qv[h][v + 1], k1, _mm512_fmadd_ps(qv[h][v], k0, acc[h]));
+                }
+            }
+            for (int h = 0; h < NH; h++) part[h][i] = acc[h];
+        }
+        for (int h = 0; h < NH; h++)
+            _mm512_mask_storeu_ps(s + h * stride + j, lanes16(0, 0, t), _mm512_mul_ps(sum16(part[h]), scale));
+    }
+    for (int h = 0; h < NH; h++) {  /* p = e^(s − max) / Σ, 16 at a time (exp16, as the float caches') */
+        float *p = s + h * stride;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, lanes16(j, 0, n), p + j));
+        softmax16(p, n, _mm512_reduce_max_ps(mv));
+    }
+    __m512 o[4][8];
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) o[h][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *b = vc + j * tb;
+        __m512 pj[4];
+        for (int h = 0; h < NH; h++) pj[h] = _mm512_set1_ps(s[h * stride + j]);
+        for (int v = 0; v < NV; v += 2) {
+            float sc;
+            __m128i lo, hi;
+            b += block_int8(d, b, &sc, &lo, &hi);
+            const __m512 v0 = widen16(sc, lo, hi, 0), v1 = widen16(sc, lo, hi, 1);
+            for (int h = 0; h < NH; h++) {
+                o[h][v] = _mm512_fmadd_ps(pj[h], v0, o[h][v]);
+                o[h][v + 1] = _mm512_fmadd_ps(pj[h], v1, o[h][v + 1]);
+            }
+        }
+    }
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + h * D + 16 * v, o[h][v]);
+}
+
+/* The `group` query heads (D apart in q and out) that share the n block keys/values from
+ * token `tok` of kc/vc, in runs of up to 4 heads (D = 64) or 2 (D = 128: their 2·8 outputs
+ * and queries fill the registers). out is float32 (attend_group rounds it). */
 static inline __attribute__((always_inline)) void attend_group_blocks16(const Dims *d, const int NV, const float *q,
                                                                         int64_t group, const uint8_t *kc,
                                                                         const uint8_t *vc, int64_t tok, int64_t n,
                                                                         float *s, int64_t stride, float *out) {
     const int64_t D = 16 * NV, tb = kv_token_bytes(d);
-    float buf[KV_TILE16 * 128] __attribute__((aligned(64)));
-    const __m512 scale = _mm512_set1_ps(d->scale);
+    const int most = NV == 4 ? 4 : 2;
     kc += tok * tb, vc += tok * tb;
-    for (int64_t j = 0; j < n; j += KV_TILE16) {
-        const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
-        widen_tile(d, 16, kc + j * tb, tb, t, D, buf);
-        if (t < KV_TILE16) memset(buf + t * D, 0, (size_t)((KV_TILE16 - t) * D) * sizeof(float));
-        for (int64_t h = 0; h < group; h++) {
-            __m512 qv[8], acc[KV_TILE16];
-            for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + h * D + 16 * v);
-            for (int i = 0; i < KV_TILE16; i++) {
-                acc[i] = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + i * D));
-                for (int v = 1; v < NV; v++) acc[i] = _mm512_fmadd_ps(qv[v], _mm512_load_ps(buf + i * D + 16 * v), acc[i]);
-            }
-            _mm512_mask_storeu_ps(s + h * stride + j, lanes16(0, 0, t), _mm512_mul_ps(sum16(acc), scale));
-        }
-    }
-    for (int64_t h = 0; h < group; h++) {  /* p = e^(s − max) / Σ, 16 at a time (exp16, as the float caches') */
-        float *p = s + h * stride;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, lanes16(j, 0, n), p + j));
-        softmax16(p, n, _mm512_reduce_max_ps(mv));
-        memset(out + h * D, 0, (size_t)D * sizeof(float));
-    }
-    for (int64_t j = 0; j < n; j += KV_TILE16) {
-        const int64_t t = n - j < KV_TILE16 ? n - j : KV_TILE16;
-        widen_tile(d, 16, vc + j * tb, tb, t, D, buf);
-        for (int64_t h = 0; h < group; h++) {
-            const float *p = s + h * stride + j;
-            __m512 o[8];
-            for (int v = 0; v < NV; v++) o[v] = _mm512_loadu_ps(out + h * D + 16 * v);
-            for (int64_t i = 0; i < t; i++) {
-                const __m512 pi = _mm512_set1_ps(p[i]);
-                for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(pi, _mm512_load_ps(buf + i * D + 16 * v), o[v]);
-            }
-            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + h * D + 16 * v, o[v]);
-        }
+    for (int64_t h = 0; h < group; h += most) {
+        const int nh = group - h < most ? (int)(group - h) : most;
+        const float *qh = q + h * D;
+        float *sh = s + h * stride, *oh = out + h * D;
+        if (nh == 4) attend_heads_blocks16(d, NV, 4, qh, kc, vc, n, sh, stride, oh);
+        else if (nh == 3) attend_heads_blocks16(d, NV, 3, qh, kc, vc, n, sh, stride, oh);
+        else if (nh == 2) attend_heads_blocks16(d, NV, 2, qh, kc, vc, n, sh, stride, oh);
+        else attend_heads_blocks16(d, NV, 1, qh, kc, vc, n, sh, stride, oh);
     }
 }
 #endif
