@@ -416,9 +416,10 @@ static void axpy_cached(const Dims *d, float p, const void *cache, int64_t at, i
 
 /* A Q8_0 / Q4_0 block at b as its scale and its 32 values' int8 multipliers (values 0..15 in
  * lo, 16..31 in hi; Q4_0's q − 8); returns the block's bytes. d·q is exact in float32. */
-static inline int64_t block_int8(const Dims *d, const uint8_t *b, float *scale, __m128i *lo, __m128i *hi) {
+static inline __attribute__((always_inline)) int64_t block_int8_of(const int q8, const uint8_t *b, float *scale,
+                                                                   __m128i *lo, __m128i *hi) {
     *scale = qd_f16(b);
-    if (d->kv_type == KV_Q8_0) {
+    if (q8) {
         *lo = _mm_loadu_si128((const __m128i *)(b + 2));
         *hi = _mm_loadu_si128((const __m128i *)(b + 18));
         return 34;
@@ -427,6 +428,10 @@ static inline int64_t block_int8(const Dims *d, const uint8_t *b, float *scale, 
     *lo = _mm_sub_epi8(_mm_and_si128(x, m), e);
     *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);
     return 18;
+}
+
+static inline int64_t block_int8(const Dims *d, const uint8_t *b, float *scale, __m128i *lo, __m128i *hi) {
+    return block_int8_of(d->kv_type == KV_Q8_0, b, scale, lo, hi);
 }
 
 /* t tokens' head vectors (D values, whole blocks, `tb` bytes each from p) → t rows of D floats. */
@@ -703,11 +708,12 @@ static inline __m512 widen16(float scale, __m128i lo, __m128i hi, int half) {
  * small aligned buffer, and its output stays in registers over all the values. Only the
  * order of the float sums differs from the reference. */
 #define KV_TILE16 16
-static inline __attribute__((always_inline)) void attend_heads_blocks16(const Dims *d, const int NV, const int NH,
-                                                                        const float *q, const uint8_t *kc,
-                                                                        const uint8_t *vc, int64_t n, float *s,
-                                                                        int64_t stride, float *out) {
-    const int64_t D = 16 * NV, tb = kv_token_bytes(d);
+static inline __attribute__((always_inline)) void attend_heads_blocks16(const Dims *d, const int Q8, const int NV,
+                                                                        const int NH, const float *q,
+                                                                        const uint8_t *kc, const uint8_t *vc,
+                                                                        int64_t n, float *s, int64_t stride,
+                                                                        float *out) {
+    const int64_t D = 16 * NV, tb = (Q8 ? 34 : 18) * (D / 32); /* kv_token_bytes, a constant here */
     const __m512 scale = _mm512_set1_ps(d->scale);
     __m512 qv[4][8];
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) qv[h][v] = _mm512_loadu_ps(q + h * D + 16 * v);
@@ -719,10 +725,11 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
             for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
             if (i < t) {
                 const uint8_t *b = kc + (j + i) * tb;
+#pragma GCC unroll 4
                 for (int v = 0; v < NV; v += 2) {
                     float sc;
                     __m128i lo, hi;
-                    b += block_int8(d, b, &sc, &lo, &hi);
+                    b += block_int8_of(Q8, b, &sc, &lo, &hi);
                     const __m512 k0 = widen16(sc, lo, hi, 0), k1 = widen16(sc, lo, hi, 1);
                     for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(qv[h][v + 1], k1, _mm512_fmadd_ps(qv[h][v], k0, acc[h]));
                 }
@@ -744,10 +751,11 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
         const uint8_t *b = vc + j * tb;
         __m512 pj[4];
         for (int h = 0; h < NH; h++) pj[h] = _mm512_set1_ps(s[h * stride + j]);
+#pragma GCC unroll 4
         for (int v = 0; v < NV; v += 2) {
             float sc;
             __m128i lo, hi;
-            b += block_int8(d, b, &sc, &lo, &hi);
+            b += block_int8_of(Q8, b, &sc, &lo, &hi);
             const __m512 v0 = widen16(sc, lo, hi, 0), v1 = widen16(sc, lo, hi, 1);
             for (int h = 0; h < NH; h++) {
                 o[h][v] = _mm512_fmadd_ps(pj[h], v0, o[h][v]);
@@ -772,10 +780,17 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         const int nh = group - h < most ? (int)(group - h) : most;
         const float *qh = q + h * D;
         float *sh = s + h * stride, *oh = out + h * D;
-        if (nh == 4) attend_heads_blocks16(d, NV, 4, qh, kc, vc, n, sh, stride, oh);
-        else if (nh == 3) attend_heads_blocks16(d, NV, 3, qh, kc, vc, n, sh, stride, oh);
-        else if (nh == 2) attend_heads_blocks16(d, NV, 2, qh, kc, vc, n, sh, stride, oh);
-        else attend_heads_blocks16(d, NV, 1, qh, kc, vc, n, sh, stride, oh);
+        if (d->kv_type == KV_Q8_0) {
+            if (nh == 4) attend_heads_blocks16(d, 1, NV, 4, qh, kc, vc, n, sh, stride, oh);
+            else if (nh == 3) attend_heads_blocks16(d, 1, NV, 3, qh, kc, vc, n, sh, stride, oh);
+            else if (nh == 2) attend_heads_blocks16(d, 1, NV, 2, qh, kc, vc, n, sh, stride, oh);
+            else attend_heads_blocks16(d, 1, NV, 1, qh, kc, vc, n, sh, stride, oh);
+        } else {
+            if (nh == 4) attend_heads_blocks16(d, 0, NV, 4, qh, kc, vc, n, sh, stride, oh);
+            else if (nh == 3) attend_heads_blocks16(d, 0, NV, 3, qh, kc, vc, n, sh, stride, oh);
+            else if (nh == 2) attend_heads_blocks16(d, 0, NV, 2, qh, kc, vc, n, sh, stride, oh);
+            else attend_heads_blocks16(d, 0, NV, 1, qh, kc, vc, n, sh, stride, oh);
+        }
     }
 }
 #endif
