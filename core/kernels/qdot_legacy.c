@@ -420,8 +420,22 @@ static inline __m256i x8_high_bits(__m256i qh, const int c) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(0x10));
 }
 
+#if defined(__AVX512BITALG__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+/* vpshufbitqmb's selector for the 5th bits of values first..first+3 of each row: byte b of
+ * each 64-bit lane (two rows' qh) names bit first + b of its first row (b < 4) or of its
+ * second (32 + first + b - 4), so mask bit 4i + t is bit first + t of row i's qh. */
+static inline long long x8_bit_selector(int first) {
+    unsigned long long v = 0;
+    for (int b = 0; b < 4; b++)
+        v |= (unsigned long long)(first + b) << (8 * b) | (unsigned long long)(32 + first + b) << (8 * (b + 4));
+    return (long long)v;
+}
+#endif
+
 /* Run c of a block's 4-bit quants as the 8 rows' low and high values (with their 5th bits for
- * Q5_0/Q5_1): the weight bytes every x8 tile multiplies. */
+ * Q5_0/Q5_1): the weight bytes every x8 tile multiplies. With AVX-512 BITALG the 5th bits come
+ * as a byte mask from one bit gather each (vpshufbitqmb) and a masked add (two operations,
+ * not x8_high_bits' four and an or): the same bytes. */
 static inline __attribute__((always_inline)) void x8_values(const uint8_t *blk, int q_at, int five, __m256i qh,
                                                             int c, __m256i *lo, __m256i *hi) {
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -429,8 +443,16 @@ static inline __attribute__((always_inline)) void x8_values(const uint8_t *blk, 
     *lo = _mm256_and_si256(raw, low);
     *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     if (five) {
+#if defined(__AVX512BITALG__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const __mmask32 ml = _mm256_bitshuffle_epi64_mask(qh, _mm256_set1_epi64x(x8_bit_selector(4 * c)));
+        const __mmask32 mh = _mm256_bitshuffle_epi64_mask(qh, _mm256_set1_epi64x(x8_bit_selector(16 + 4 * c)));
+        *lo = _mm256_mask_add_epi8(*lo, ml, *lo, bit4);
+        *hi = _mm256_mask_add_epi8(*hi, mh, *hi, bit4);
+#else
         *lo = _mm256_or_si256(*lo, x8_high_bits(qh, c));
         *hi = _mm256_or_si256(*hi, x8_high_bits(qh, 4 + c));
+#endif
     }
 }
 
