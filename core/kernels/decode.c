@@ -694,11 +694,18 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)  /* block_int8: the AVX2 section */
-/* Block v (16 values) of a token's head vector as floats: the block's scale times its int8
- * multipliers (exact in float32: the reference's dequantized values). `scale`, lo and hi
- * are those of the 32-value block holding it (block_int8). */
-static inline __m512 widen16(float scale, __m128i lo, __m128i hi, int half) {
-    return _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half ? hi : lo)));
+/* The 32-value block at b (Q8_0 if q8, else Q4_0) as two vectors of 16 floats: its scale times
+ * its int8 multipliers (exact in float32: the reference's dequantized values); returns the
+ * next block. */
+static inline __attribute__((always_inline)) const uint8_t *widen_block16(const int q8, const uint8_t *b, __m512 *x0,
+                                                                          __m512 *x1) {
+    float sc;
+    __m128i lo, hi;
+    b += block_int8_of(q8, b, &sc, &lo, &hi);
+    const __m512 scale = _mm512_set1_ps(sc);
+    *x0 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    *x1 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    return b;
 }
 
 /* The block caches' grouped attention on 16 lanes (head_dim 16·NV), NH (≤ 4) query heads of
@@ -727,10 +734,8 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
                 const uint8_t *b = kc + (j + i) * tb;
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v += 2) {
-                    float sc;
-                    __m128i lo, hi;
-                    b += block_int8_of(Q8, b, &sc, &lo, &hi);
-                    const __m512 k0 = widen16(sc, lo, hi, 0), k1 = widen16(sc, lo, hi, 1);
+                    __m512 k0, k1;
+                    b = widen_block16(Q8, b, &k0, &k1);
                     for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(qv[h][v + 1], k1, _mm512_fmadd_ps(qv[h][v], k0, acc[h]));
                 }
             }
@@ -753,10 +758,8 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
         for (int h = 0; h < NH; h++) pj[h] = _mm512_set1_ps(s[h * stride + j]);
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v += 2) {
-            float sc;
-            __m128i lo, hi;
-            b += block_int8_of(Q8, b, &sc, &lo, &hi);
-            const __m512 v0 = widen16(sc, lo, hi, 0), v1 = widen16(sc, lo, hi, 1);
+            __m512 v0, v1;
+            b = widen_block16(Q8, b, &v0, &v1);
             for (int h = 0; h < NH; h++) {
                 o[h][v] = _mm512_fmadd_ps(pj[h], v0, o[h][v]);
                 o[h][v + 1] = _mm512_fmadd_ps(pj[h], v1, o[h][v + 1]);
