@@ -41,6 +41,12 @@ rows as stored (two loads), paired rounds: the 16-row step over the 1-row step i
 
     python scripts/kernel_bench.py --step --threads 1 --rows 1,4,16 --cpu-time --rounds 5
 
+With --against REV as well: the whole native library of REV (every kernel source) beside this
+tree's, one load of the model, two decoders, paired rounds (--step-dtype: the activations'):
+
+    python scripts/kernel_bench.py --step qwen2.5-coder-0.5b-instruct-q4_k_m --threads 2 --rows 1,16 \
+        --against HEAD --rounds 7 --step-dtype bfloat16
+
 Needs a C compiler (as the kernels do); never run in CI.
 """
 
@@ -238,6 +244,58 @@ def x8_main(args, lib, clock) -> None:
                       f"{then / (rows * base[1]):>7.3f}", flush=True)
 
 
+def build_kernels_at(rev: str):
+    """The whole native library (every kernel source) of git revision `rev`, built as the
+    kernels are, for a native step timed beside this tree's (the weights' layouts must agree)."""
+    from twice.core import kernels
+
+    root = Path(__file__).resolve().parent.parent
+    folder = Path(tempfile.mkdtemp(prefix="twice-kernels-at-"))
+    for path in kernels.SOURCES + kernels.HEADERS:
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:core/kernels/{path.name}"],
+                              capture_output=True, check=True).stdout
+        (folder / path.name).write_bytes(text)
+    lib = kernels._build(source_dir=folder)
+    if lib is None:
+        raise SystemExit(f"kernel_bench: the kernels of {rev} did not build")
+    return lib
+
+
+def step_against_main(args) -> None:
+    """The native decode step of a model with this tree's kernels and with --against's, one
+    load, two decoders (the second calling the other library), paired alternating rounds."""
+    from twice.core.cache import KVCache
+    from twice.core.native_decode import NativeDecoder
+    from twice.weights.load import load
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    m = load(args.step or None, device="cpu", dtype=args.step_dtype)
+    now, then = NativeDecoder(m.model), NativeDecoder(m.model)
+    then.lib = build_kernels_at(args.against)
+    dtype = getattr(torch, args.step_dtype)
+    print(f"native step of {m.name} ({args.step_dtype}), {args.threads} thread(s), position {args.position}: this "
+          f"tree against {args.against}, {args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
+    rows_list = list(map(int, args.rows.split(",")))
+    best = {(which, r): float("inf") for which in ("now", "then") for r in rows_list}
+    caches = {r: KVCache(m.config, r, args.position + 64, dtype, "cpu") for r in rows_list}
+    tokens = {r: torch.randint(0, 1000, (r, 1)) for r in rows_list}
+    for k in range(args.rounds):
+        for r in rows_list:
+            for which in (("now", "then") if k % 2 else ("then", "now")):
+                native, cache = (now if which == "now" else then), caches[r]
+                cache.length = args.position
+                t = clock()
+                for _ in range(8):
+                    native(tokens[r], cache)
+                    cache.length = args.position
+                best[which, r] = min(best[which, r], (clock() - t) / 8)
+    print(f"{'rows':>4} {'now':>9} {'then':>9} {'speedup':>7}")
+    for r in rows_list:
+        a, b = best["now", r], best["then", r]
+        print(f"{r:>4} {a * 1e3:>7.2f}ms {b * 1e3:>7.2f}ms {b / a:>6.2f}x", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def step_main(args) -> None:
     """The native decode step of a whole model (default: twice's default model) at each of
     --rows, with its 32-value types interleaved and with its rows as stored (two loads, one
@@ -344,7 +402,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--quant", default="", help="GGUF weight types to measure instead, e.g. Q4_K,Q6_K")
     p.add_argument("--quant-shapes", default="576x1536,896x4864")
-    p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side (with --x8: both x8)")
+    p.add_argument("--against", default="", help="with --quant: a git revision whose qdot*.c to time side by side (with --x8: both x8); "
+                   "with --step: that revision's whole native library against this tree's")
     p.add_argument("--rounds", type=int, default=5, help="with --against or --x8: paired rounds")
     p.add_argument("--x8", action="store_true",
                    help="with --quant: the interleaved 8-row layout against the rows as stored (32-value types)")
@@ -353,13 +412,14 @@ def main() -> None:
     p.add_argument("--step", nargs="?", const="", default=None, metavar="MODEL",
                    help="the native decode step of MODEL (default: twice's default model), x8 against rows as stored")
     p.add_argument("--position", type=int, default=64, help="with --step: the cache column each step writes")
+    p.add_argument("--step-dtype", default="float32", help="with --step --against: the activations' dtype")
     args = p.parse_args()
     lib = kernels.library()
     if lib is None:
         sys.exit("the native kernels did not build here (no C compiler?)")
     torch.set_num_threads(args.threads)
     if args.step is not None:
-        step_main(args)
+        step_against_main(args) if args.against else step_main(args)
         return
     if args.quant:
         quant_main(args, lib)

@@ -45,9 +45,10 @@ def _libgomp() -> Path | None:
     return found[0] if found else None
 
 
-def _build(march: str = "native") -> ctypes.CDLL | None:
+def _build(march: str = "native", source_dir: Path | None = None) -> ctypes.CDLL | None:
     """The library for this CPU (`march` other than native: for an older instruction set,
-    which the tests use to check the portable code paths)."""
+    which the tests use to check the portable code paths; `source_dir`: the same files from
+    another folder, e.g. another revision's, which scripts/kernel_bench.py times beside)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
         return None
@@ -55,7 +56,9 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     gomp = _libgomp()
     if gomp is not None:
         flags += ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", f"-l:{gomp.name}"]
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    sources, headers = ([source_dir / p.name for p in names] for names in (SOURCES, HEADERS)) if source_dir \
+        else (SOURCES, HEADERS)
+    source = b"".join(path.read_bytes() for path in sources + headers)
     key = hashlib.sha256(source + " ".join(flags).encode() + platform.processor().encode()
                          + _cpu_model().encode()).hexdigest()[:16]
     # TWICE_KERNELS_CACHE: a folder for the built library alone (the tests share one across
@@ -73,7 +76,7 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     else:
         temporary = False
     lib = folder / f"twice-kernels-{key}.so"
-    if not _write_library(lib, [compiler, *flags, *map(str, SOURCES)]):
+    if not _write_library(lib, [compiler, *flags, *map(str, sources)]):
         return None
     try:
         handle = ctypes.CDLL(str(lib))

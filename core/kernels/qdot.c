@@ -16,7 +16,8 @@
  * super-blocks); the plain float types (F32/F16/BF16) are here. Layouts: qdot.h.
  *
  * Threads split the output rows (OpenMP, torch's libgomp). Each output row is read once
- * for a tile of up to 4 activation rows, then for the next 4, from L1, so a batch costs
+ * for a tile of up to 4 activation rows (8 for some x8 types: twq_x8_tile_rows), then for the
+ * next ones, from L1, so a batch costs
  * little more memory traffic than one row. A row's result never depends on the number of
  * rows in the call: every (activation row, output row) pair is computed by the same
  * instructions in the same order in any tile (batch invariance; tests/test_qkernels.py).
@@ -250,13 +251,16 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int type, const void *w, int64
          * (0.5-0.7x at 1-4 rows of 8960x1536, Zen 4): pairs from 8 rows on. Either tile gives
          * a row the same bits. */
         if (rows < 8) pair = 0;
+        /* some 32-value types' tiles take up to 8 activation rows (twq_x8_tile_rows), the K types' 4 */
+        const int step = is_kquant(base_type(type)) || fn != twq_x8_tile(base_type(type), 0) ? 4
+                                                                                           : twq_x8_tile_rows(base_type(type));
         const int64_t groups = out / 8, units = pair ? (groups + 1) / 2 : groups;
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; u++) {
             const int64_t g = pair ? 2 * u : u;
             const qtile_fn f = pair && g + 1 < groups ? pair : fn;
-            for (int64_t b = 0; b < rows; b += 4)
-                f(rows - b < 4 ? (int)(rows - b) : 4, W + 8 * g * wb, X + b * xs, xs, n, y + b * ldy + 8 * g, ldy);
+            for (int64_t b = 0; b < rows; b += step)
+                f(rows - b < step ? (int)(rows - b) : step, W + 8 * g * wb, X + b * xs, xs, n, y + b * ldy + 8 * g, ldy);
         }
         return;
     }

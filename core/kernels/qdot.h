@@ -35,7 +35,8 @@ enum {
  * activations as the type's, in memory only (never in a file). */
 #define QT_X8 256
 
-/* One weight row against nr (1–4) prepared activation rows, x + r·xs each: y[r·ldy] for r < nr.
+/* One weight row against nr (1–4; an x8 tile: 8 weight rows, 1–8 for the types of
+ * twq_x8_tile_rows) prepared activation rows, x + r·xs each: y[r·ldy] for r < nr.
  * Every row's result is computed by the same instructions in the same order whatever nr is
  * (batch invariance). */
 typedef void (*qtile_fn)(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy);
@@ -140,6 +141,7 @@ int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
  * rows, y[r·ldy + i] for i < 8; row i of a group → float32 (the type's dequantized values). */
 qtile_fn twq_x8_tile(int type, int reference);
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
+int twq_x8_tile_rows(int type); /* the most activation rows an x8 tile of this 32-value type takes: 4 or 8 */
 int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 int twq_kquant_dequantize(int type, const uint8_t *w, int64_t n, float *out);
 /* x8 of a K type (Q4_K, Q6_K: its id + QT_X8; qdot_kquants.c): tiles of 8 weight rows × 1–4
