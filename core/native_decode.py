@@ -54,7 +54,7 @@ MAX_PARTS = 3
 FLOAT_TYPE = -1  # a float matrix in the model's dtype (decode.c multiplies it with gemm)
 # The block types decode.c multiplies (through qdot.c's q_gemm), by ggml type id.
 BLOCK_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14}
-                        | {t + kernels.X8 for t in (2, 3, 6, 7, 8, 12)})  # + their interleaved layout (qweight)
+                        | {t + kernels.X8 for t in (2, 3, 6, 7, 8, 12, 14)})  # + their interleaved layout (qweight)
 
 
 class _Part(ctypes.Structure):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: 
 
 Q4_K = quant.codec("Q4_K")
 X8_TYPE = Q4_K.ggml_type + x8.X8
-K_TYPES = ("Q4_K", "Q6_K")  # the K types with an x8 layout (Q6_K's not applied at load: slower there)
+K_TYPES = ("Q4_K", "Q6_K")  # the K types with an x8 layout
 
 
 def _case(out, blocks, rows, seed, name="Q4_K"):

@@ -43,10 +43,11 @@ _FIELDS = {
     "Q6_K": (210, ((208, 2),) + tuple((192 + j, 1) for j in range(16)), (0, 192)),
 }
 TYPES = frozenset(_FIELDS)
-# Layouts the kernels take but loading does not apply (eligible says no): Q6_K's x8 tile is
-# correct but does not pay on Zen 4: applied at load, the whole native step of Qwen2.5-Coder
-# 1.5B / 0.5B Q4_K_M ran 1.00-1.09x / 0.89-1.04x (2 threads, 1-16 rows, paired; README)
-NOT_AT_LOAD = frozenset({"Q6_K"})
+# Layouts the kernels take but loading does not apply (eligible says no); none now. Q6_K's
+# was here until applied at load it was measured faster at 1 row too: the whole native step
+# of Qwen2.5-Coder 0.5B / 1.5B Q4_K_M 1.06x / 1.02-1.06x at 1 row, 1.09x / 1.07-1.10x at
+# 16 (bf16, 2 threads, the best of 21 paired rounds, Zen 4; README)
+NOT_AT_LOAD: frozenset[str] = frozenset()
 
 
 def eligible(codec, rows: int) -> bool:
