@@ -212,6 +212,28 @@ def test_constraint_masks_the_row(llama):
 
 
 @native
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_block_caches_keep_each_requests_tokens_through_layouts_in_place(model_dirs, kv):
+    """The same as rows join, leave and the cache is laid out again in its own memory
+    (KVCache.relaid on uint8 blocks, a burst after the batch emptied reusing the last cache):
+    each request's greedy tokens are its own alone on that cache type, bit for bit."""
+    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="float32")
+    engine = Engine(m.model, m.tokenizer, m.eos_token_ids, kv_dtype=kv)
+    settings = [GenerationSettings(max_new_tokens=n, ignore_eos=True) for n in NEW]
+    want = [r.token_ids for r in _alone(engine, PROMPTS, settings)]
+    s = Scheduler(engine, max_batch=3, prefix_reuse=False)
+    first = [s.submit(p, st) for p, st in zip(PROMPTS[:2], settings[:2])]  # 5 and 19 tokens
+    done = {}
+    for _ in range(3):  # running, laid out for them alone
+        done.update({e.row: e.result.token_ids for e in s.step() if isinstance(e, Done)})
+    later = [s.submit(p, st) for p, st in zip(PROMPTS[2:], settings[2:])]  # a 35-token prompt among them
+    done.update({e.row: e.result.token_ids for e in s.run() if isinstance(e, Done)})
+    assert [done[i] for i in first + later] == want
+    assert s.counters.relayouts > 1 and s.cache is None
+    assert [r.token_ids for r in _served(s, PROMPTS[:3], settings[:3])] == want[:3]  # the spare cache
+
+
+@native
 def test_free_rows_are_neither_computed_nor_compacted(llama, monkeypatch):
     """The native step runs only the live rows of the batch cache, so a finished row's place
     costs nothing: it stays (no compaction copying the cache) until every row is done, and
