@@ -261,6 +261,26 @@ def build_kernels_at(rev: str):
     return lib
 
 
+def time_steps(steppers: dict, rows_list: list[int], rounds: int, position: int, clock) -> dict:
+    """The best seconds a native step takes for each (name, rows), steppers[name][rows] = (step,
+    its cache), 8 steps at the cache column `position` a time, in paired rounds (the names'
+    order reversed every round)."""
+    tokens = {r: torch.randint(0, 1000, (r, 1)) for r in rows_list}
+    names = list(steppers)
+    best = {(name, r): float("inf") for name in names for r in rows_list}
+    for k in range(rounds):
+        for r in rows_list:
+            for name in (names if k % 2 else names[::-1]):
+                native, cache = steppers[name][r]
+                cache.length = position
+                t = clock()
+                for _ in range(8):
+                    native(tokens[r], cache)
+                    cache.length = position
+                best[name, r] = min(best[name, r], (clock() - t) / 8)
+    return best
+
+
 def step_against_main(args) -> None:
     """The native decode step of a model with this tree's kernels and with --against's, one
     load, two decoders (the second calling the other library), paired alternating rounds."""
@@ -276,19 +296,9 @@ def step_against_main(args) -> None:
     print(f"native step of {m.name} ({args.step_dtype}), {args.threads} thread(s), position {args.position}: this "
           f"tree against {args.against}, {args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
     rows_list = list(map(int, args.rows.split(",")))
-    best = {(which, r): float("inf") for which in ("now", "then") for r in rows_list}
     caches = {r: KVCache(m.config, r, args.position + 64, dtype, "cpu") for r in rows_list}
-    tokens = {r: torch.randint(0, 1000, (r, 1)) for r in rows_list}
-    for k in range(args.rounds):
-        for r in rows_list:
-            for which in (("now", "then") if k % 2 else ("then", "now")):
-                native, cache = (now if which == "now" else then), caches[r]
-                cache.length = args.position
-                t = clock()
-                for _ in range(8):
-                    native(tokens[r], cache)
-                    cache.length = args.position
-                best[which, r] = min(best[which, r], (clock() - t) / 8)
+    best = time_steps({name: {r: (native, caches[r]) for r in rows_list} for name, native in (("now", now), ("then", then))},
+                      rows_list, args.rounds, args.position, clock)
     print(f"{'rows':>4} {'now':>9} {'then':>9} {'speedup':>7}")
     for r in rows_list:
         a, b = best["now", r], best["then", r]
@@ -315,23 +325,10 @@ def step_main(args) -> None:
     print(f"native step of {models['x8'][0].name}, {args.threads} thread(s), position {args.position}, "
           f"{args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
     rows_list = list(map(int, args.rows.split(",")))
-    best = {(layout, r): float("inf") for layout in models for r in rows_list}
-    caches = {}
-    for layout, (m, native) in models.items():
-        for r in rows_list:
-            cache = KVCache(m.config, r, args.position + 64, torch.float32, "cpu")
-            cache.length = args.position  # the columns before hold zeros: the attention reads them all the same
-            caches[layout, r] = cache
-    tokens = {r: torch.randint(0, 1000, (r, 1)) for r in rows_list}
-    for _ in range(args.rounds):
-        for r in rows_list:
-            for layout in ("stored", "x8"):
-                native, cache = models[layout][1], caches[layout, r]
-                t = clock()
-                for _ in range(8):
-                    native(tokens[r], cache)
-                    cache.length = args.position
-                best[layout, r] = min(best[layout, r], (clock() - t) / 8)
+    # the columns before the position hold zeros: the attention reads them all the same
+    best = time_steps({layout: {r: (native, KVCache(m.config, r, args.position + 64, torch.float32, "cpu"))
+                                for r in rows_list} for layout, (m, native) in models.items()},
+                      rows_list, args.rounds, args.position, clock)
     print(f"{'rows':>4} {'x8':>9} {'stored':>9} {'speedup':>7} {'x8 vs 1 row':>11} {'stored vs 1 row':>15}")
     for r in rows_list:
         x, s = best["x8", r], best["stored", r]
