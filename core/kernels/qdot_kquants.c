@@ -592,7 +592,7 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
         const uint8_t *blk = w + b * KX8_Q6;
         for (int l = 0; l < KX8_Q6; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
         __m256i isum[4], imin[4];
-        for (int r = 0; r < NR; r++) isum[r] = imin[r] = _mm256_setzero_si256();
+        for (int r = 0; r < NR; r++) imin[r] = _mm256_setzero_si256();
         /* offsets: int32 lane i = sc_i[2k] | sc_i[2k+1] << 16 (int16), against (bsum[2k], bsum[2k+1]) */
         for (int k = 0; k < 8; k++) {
             const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * k));
@@ -603,6 +603,9 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
                 imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(sp, _mm256_set1_epi32((int)word)));
             }
         }
+        /* the sums start at −32·Σ sc·bsum (the −32 offset), so the offsets need no registers of
+         * their own through the products (they spilled there); the same integers at the end */
+        for (int r = 0; r < NR; r++) isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(imin[r], 5));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
 #pragma GCC unroll 2
@@ -624,14 +627,16 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
 #pragma GCC unroll 4
                         for (int r = 0; r < NR; r++) {
                             const uint8_t *xb = x + r * xs + b * QKK + 32 * (4 * h + p) + 16 * half;
-                            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
                             const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 64)));
-                            __m256i al, ah;
+                            /* one of the pair a broadcast load, the other an in-lane shuffle: the
+                             * load pipes and the vector pipes share the work */
+                            const __m256i al = _mm256_set1_epi32((int)load32(xb + 4 * jj));
+                            __m256i ah;
                             switch (jj) {
-                            case 0: al = _mm256_shuffle_epi32(xl, 0x00); ah = _mm256_shuffle_epi32(xh, 0x00); break;
-                            case 1: al = _mm256_shuffle_epi32(xl, 0x55); ah = _mm256_shuffle_epi32(xh, 0x55); break;
-                            case 2: al = _mm256_shuffle_epi32(xl, 0xaa); ah = _mm256_shuffle_epi32(xh, 0xaa); break;
-                            default: al = _mm256_shuffle_epi32(xl, 0xff); ah = _mm256_shuffle_epi32(xh, 0xff); break;
+                            case 0: ah = _mm256_shuffle_epi32(xh, 0x00); break;
+                            case 1: ah = _mm256_shuffle_epi32(xh, 0x55); break;
+                            case 2: ah = _mm256_shuffle_epi32(xh, 0xaa); break;
+                            default: ah = _mm256_shuffle_epi32(xh, 0xff); break;
                             }
                             s[r] = qd_dot_u8s8(s[r], lo, al);
                             t[r] = qd_dot_u8s8(t[r], hi, ah);
@@ -647,8 +652,7 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int r = 0; r < NR; r++) {
             const __m256 dx = _mm256_set1_ps(K_D(x + r * xs, n)[b]);
-            const __m256i net = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(imin[r], 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(net), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
