@@ -239,9 +239,14 @@ static qtile_fn pair_tile_for(int type) {
     return is_x8(type) && is_kquant(base_type(type)) ? twq_kx8_pair_tile(base_type(type)) : 0;
 }
 
-/* pair: a tile of two groups (16 weight rows) or NULL. */
-static void gemm_with(qtile_fn fn, qtile_fn pair, int type, const void *w, int64_t out, int64_t n, const void *xq,
-                      int64_t rows, float *y, int64_t ldy, int threads) {
+/* The most activation rows one SIMD tile call of this type takes (some x8 types' 8, else 4). */
+static int tile_rows_for(int type) {
+    return is_x8(type) && is_legacy(base_type(type)) ? twq_x8_tile_rows(base_type(type)) : 4;
+}
+
+/* pair: a tile of two groups (16 weight rows) or NULL; step: activation rows per tile call. */
+static void gemm_with(qtile_fn fn, qtile_fn pair, int step, int type, const void *w, int64_t out, int64_t n,
+                      const void *xq, int64_t rows, float *y, int64_t ldy, int threads) {
     const int64_t wb = q_row_bytes(type, n), xs = q_act_bytes(type, n);
     if (!fn || wb < 0 || out <= 0 || rows <= 0) return;
     const uint8_t *W = w, *X = xq;
@@ -251,9 +256,6 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int type, const void *w, int64
          * (0.5-0.7x at 1-4 rows of 8960x1536, Zen 4): pairs from 8 rows on. Either tile gives
          * a row the same bits. */
         if (rows < 8) pair = 0;
-        /* some 32-value types' tiles take up to 8 activation rows (twq_x8_tile_rows), the K types' 4 */
-        const int step = is_kquant(base_type(type)) || fn != twq_x8_tile(base_type(type), 0) ? 4
-                                                                                           : twq_x8_tile_rows(base_type(type));
         const int64_t groups = out / 8, units = pair ? (groups + 1) / 2 : groups;
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; u++) {
@@ -266,18 +268,18 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int type, const void *w, int64
     }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o++)
-        for (int64_t b = 0; b < rows; b += 4)
-            fn(rows - b < 4 ? (int)(rows - b) : 4, W + o * wb, X + b * xs, xs, n, y + b * ldy + o, ldy);
+        for (int64_t b = 0; b < rows; b += step)
+            fn(rows - b < step ? (int)(rows - b) : step, W + o * wb, X + b * xs, xs, n, y + b * ldy + o, ldy);
 }
 
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads) {
-    gemm_with(tile_for(type, 0), pair_tile_for(type), type, w, out, n, xq, rows, y, ldy, threads);
+    gemm_with(tile_for(type, 0), pair_tile_for(type), tile_rows_for(type), type, w, out, n, xq, rows, y, ldy, threads);
 }
 
 void q_gemm_reference(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y,
                       int64_t ldy, int threads) {
-    gemm_with(tile_for(type, 1), 0, type, w, out, n, xq, rows, y, ldy, threads);
+    gemm_with(tile_for(type, 1), 0, 4, type, w, out, n, xq, rows, y, ldy, threads);
 }
 
 /* 1 where q_gemm runs SIMD code for this type in this build (0: the scalar reference). */
