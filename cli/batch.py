@@ -613,6 +613,7 @@ def _run(loaded, plan: Plan, base) -> None:
 
     say = _quiet if plan.quiet else _say
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=plan.compile, kv_dtype=plan.kv_dtype)
+    o.settle_loaded()
     if (compiled := o.compile_note(engine, plan.compile)) is not None:
         say(f"note: {compiled}")
     jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)

@@ -129,6 +129,7 @@ def chat(
     larger = o.check_draft(loaded, drafted)
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile,
                     draft=drafted.model if drafted is not None else None, kv_dtype=kv_dtype)
+    o.settle_loaded()
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
     session.context_shift, session.keep = context_shift, keep or 0

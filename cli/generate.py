@@ -139,6 +139,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile,
                         draft=drafted.model if drafted is not None else None, kv_dtype=kv_dtype)
+        o.settle_loaded()
         if (compiled := o.compile_note(engine, compile)) is not None:
             note(compiled)
         result = None

@@ -215,6 +215,18 @@ def apply_threads(threads) -> None:
         set_threads(threads)
 
 
+def settle_loaded() -> None:
+    """Once the model, its tokenizer and the engine are built: their objects (~185,000 for
+    SmolLM2: torch modules, tensors' Python parts, the tokenizer, templates) live as long as
+    the command, so they are frozen out of Python's cyclic garbage collector, which otherwise
+    walked all of them in every full collection (~140 ms, a stall in the token stream; a
+    200-token decode ran 3% faster with them frozen). Objects made later are collected as
+    before."""
+    import gc
+
+    gc.freeze()
+
+
 def compile_note(engine, compile: bool) -> str | None:
     """What --compile did not do, in one notice: the native step decodes instead (the llama
     family on the CPU), or tensor parallelism keeps the eager layers."""

@@ -125,7 +125,9 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
     def build():  # on the worker's thread (Worker.start: one OpenMP pool for loading and stepping)
         built["loaded"] = loaded = load(model, revision, device, dtype, weights=weights)
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
-        return Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
+        scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
+        o.settle_loaded()
+        return scheduler
 
     worker = Worker()
     engine, loaded = worker.start(build).engine, built["loaded"]

@@ -552,3 +552,25 @@ def test_truncate_left_keeps_the_end_of_a_long_prompt(capsys, llama):
 def test_sampling_flags_with_greedy_get_a_note(capsys, llama):
     r = gen(capsys, "Hi", "-m", llama, "--raw", "-n", "2", "--temperature", "0", "--top-k", "5")
     assert r.code == 0 and "--top-k has no effect with greedy decoding" in r.err
+
+
+def test_the_loaded_model_is_frozen_out_of_the_cyclic_collector_before_decoding(capsys, llama, monkeypatch):
+    """generate calls options.settle_loaded once the engine is built, before the first token
+    (then the model's objects are frozen: gc.freeze), and the tokens are unchanged by it."""
+    from twice.cli import options
+    from twice.core.engine import Engine
+
+    seen = []
+    monkeypatch.setattr(options, "settle_loaded", lambda: seen.append("settled"))
+    step = Engine.generate
+
+    def generate(self, *a, **kw):
+        seen.append("generate")
+        yield from step(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = gen_json(capsys, "Hello", "--model", llama, "--max-new-tokens", "4", "--temperature", "0")
+    assert seen == ["settled", "generate"], seen
+    monkeypatch.undo()
+    again = gen_json(capsys, "Hello", "--model", llama, "--max-new-tokens", "4", "--temperature", "0")
+    assert again["text"] == out["text"]
