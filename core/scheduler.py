@@ -520,8 +520,9 @@ class Scheduler:
         self.counters.decode_seconds += seconds
         self.counters.steps += 1
         self.counters.decode_tokens += len(live)
+        stats = engine.cache_stats(cache)  # one step, one cache: the same for every row's event
         for (_, seq), token in zip(live, chosen):
-            self._emit(seq, token, seconds, events)
+            self._emit(seq, token, seconds, events, stats)
             seq.last = token
             if seq.row.finish:
                 self._finish(seq, seq.row.finish, events)
@@ -556,7 +557,7 @@ class Scheduler:
             out[r] = int(token[0])
         return out
 
-    def _emit(self, seq: _Seq, token: int, step_seconds: float, events: list) -> None:
+    def _emit(self, seq: _Seq, token: int, step_seconds: float, events: list, stats=None) -> None:
         engine = self.engine
         if seq.presence or seq.frequency:
             if seq.counts is None:
@@ -569,7 +570,7 @@ class Scheduler:
             row, top = seq.pending_logprobs
             lp, seq.pending_logprobs = float(row[token]), None
         events.append(Token(seq.id, token, text, len(seq.row.generated) - 1, step_seconds, now - seq.t_submit,
-                            engine.cache_stats(self.cache or seq.own), logprob=lp, top_logprobs=top))
+                            stats or engine.cache_stats(self.cache or seq.own), logprob=lp, top_logprobs=top))
 
     def _finish(self, seq: _Seq, reason: str, events: list) -> None:
         seq.row.finish = seq.row.finish or reason
