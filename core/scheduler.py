@@ -25,13 +25,14 @@ no row is free, or the prompt is longer than the columns so far, or the cache ha
 left, is the cache laid out again: live rows only, shifted left so that the oldest row
 starts at column 0 (or right, to make room for a longer prompt), capacity for every
 row's remaining tokens. That copy of the columns in use is the cost of a join that grows
-the batch; a finished row whose place a waiting request takes costs nothing. With the native step a layout
-also keeps rows for the requests already waiting or prefilling, and a free row is neither
-computed nor written (the step runs the live rows only), so finished rows simply stay until
-the batch is empty; a new layout is built in the old cache's memory where it fits
-(KVCache.relaid: a fresh 100 MB cache costs 80-170 ms of page faults on a 2-core VM). With
-the eager layers every row is computed: a finished row stays (computing a throw-away token
-per step) while requests wait or prefill, and finished rows leave when none do.
+the batch; a finished row whose place a waiting request takes costs nothing. With the
+native step a layout also keeps rows for the requests already waiting or prefilling, and a
+free row is neither computed nor written (the step runs the live rows only), so finished
+rows simply stay until the batch is empty. A new layout is built in the old cache's memory
+where it fits (KVCache.relaid: a fresh 100 MB cache costs 80-170 ms of page faults on a
+2-core VM). With the eager layers every row is computed: a finished row stays (computing a
+throw-away token per step) while requests wait or prefill, and finished rows leave when
+none do.
 
 Results: with the native step each row's arithmetic is independent of its neighbours
 (batch invariance), and a prompt is prefilled alone at its own length, so a greedy

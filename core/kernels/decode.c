@@ -783,17 +783,15 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         const int nh = group - h < most ? (int)(group - h) : most;
         const float *qh = q + h * D;
         float *sh = s + h * stride, *oh = out + h * D;
-        if (d->kv_type == KV_Q8_0) {
-            if (nh == 4) attend_heads_blocks16(d, 1, NV, 4, qh, kc, vc, n, sh, stride, oh);
-            else if (nh == 3) attend_heads_blocks16(d, 1, NV, 3, qh, kc, vc, n, sh, stride, oh);
-            else if (nh == 2) attend_heads_blocks16(d, 1, NV, 2, qh, kc, vc, n, sh, stride, oh);
-            else attend_heads_blocks16(d, 1, NV, 1, qh, kc, vc, n, sh, stride, oh);
-        } else {
-            if (nh == 4) attend_heads_blocks16(d, 0, NV, 4, qh, kc, vc, n, sh, stride, oh);
-            else if (nh == 3) attend_heads_blocks16(d, 0, NV, 3, qh, kc, vc, n, sh, stride, oh);
-            else if (nh == 2) attend_heads_blocks16(d, 0, NV, 2, qh, kc, vc, n, sh, stride, oh);
-            else attend_heads_blocks16(d, 0, NV, 1, qh, kc, vc, n, sh, stride, oh);
-        }
+        /* block type and head count as compile-time constants of the kernel */
+#define HEADS_BLOCKS16(Q8)                                                                            \
+        if (nh == 4) attend_heads_blocks16(d, Q8, NV, 4, qh, kc, vc, n, sh, stride, oh);              \
+        else if (nh == 3) attend_heads_blocks16(d, Q8, NV, 3, qh, kc, vc, n, sh, stride, oh);         \
+        else if (nh == 2) attend_heads_blocks16(d, Q8, NV, 2, qh, kc, vc, n, sh, stride, oh);         \
+        else attend_heads_blocks16(d, Q8, NV, 1, qh, kc, vc, n, sh, stride, oh);
+        if (d->kv_type == KV_Q8_0) { HEADS_BLOCKS16(1) }
+        else { HEADS_BLOCKS16(0) }
+#undef HEADS_BLOCKS16
     }
 }
 #endif
