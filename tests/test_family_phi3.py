@@ -321,3 +321,12 @@ def test_every_accepted_longrope_field_computes():
             for long in (False, True):
                 inv, scaling = inverse_frequencies(parsed, long=long)
                 assert math.isfinite(scaling) and not inv.isnan().any(), (key, value, orig)
+
+
+def test_tensor_parallelism_is_refused_in_one_line(model_dirs):
+    """A rank's share of the fused qkv_proj would be three slices of one checkpoint tensor,
+    which the loader's name map does not read (phi3.py): refused, never split wrong."""
+    from twice.core.parallel import Shard
+
+    with pytest.raises(UnsupportedModelError, match=r"^phi3: tensor parallelism \(--tp\) is not supported"):
+        load(str(model_dirs("phi3")), device="cpu", shard=Shard(rank=0, world=2))

@@ -33,7 +33,9 @@ with torch.inference_mode():
     logits = m.model(torch.tensor([ids]), cache, all_logits=True)
 engine = Engine(m.model, m.tokenizer, m.eos_token_ids)
 result = list(engine.generate(Request(ids=ids), GenerationSettings(max_new_tokens=16, ignore_eos=True)))[-1].result
-layer_bytes = sum(p.nbytes for n, p in m.model.named_parameters() if n.startswith("layers.") and "norm" not in n)
+# replicated on every rank: norms, a mixture's router and its shared expert's gate
+layer_bytes = sum(p.nbytes for n, p in m.model.named_parameters()
+                  if n.startswith("layers.") and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
 out = {"rank": shard.rank, "logits": logits[0].tolist(), "tokens": result.token_ids, "layer_bytes": layer_bytes,
        "cache_bytes_per_token": result.cache.bytes_per_token}
 open(sys.argv[3] + f".{shard.rank}", "w").write(json.dumps(out))
@@ -60,7 +62,9 @@ def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# a mixture (each expert's rows split, the router and shared-expert gate replicated) and gemma2
+# (sandwich norms, soft-capping); phi3 and olmo2 refuse --tp (their family tests)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2"])
 def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     folder = model_dirs(family)
     ids = list(range(5, 25))
@@ -73,8 +77,8 @@ def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     engine = Engine(whole.model, whole.tokenizer, whole.eos_token_ids)
     tokens = list(engine.generate(Request(ids=ids), GenerationSettings(max_new_tokens=16, ignore_eos=True)))[-1]
     ranks = run_two_ranks(folder, ids, tmp_path / "out")
-    whole_layer_bytes = sum(p.nbytes for n, p in whole.model.named_parameters()
-                            if n.startswith("layers.") and "norm" not in n)
+    whole_layer_bytes = sum(p.nbytes for n, p in whole.model.named_parameters() if n.startswith("layers.")
+                            and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
     for r in ranks:
         assert (torch.tensor(r["logits"]) - expected).abs().max() < 1e-4
         assert r["tokens"] == tokens.result.token_ids
