@@ -12,7 +12,7 @@ and 0.5B Q4_K_M, assembled in ~/.cache/twice/gguf/):
    a code edit (the prompt holds a function, the request asks for it back with a change:
    lookup's case), code writing (the draft's case) and prose; the tokens must be equal;
    --rounds paired rounds (plain between the lookup and the draft run, which swap sides each
-   round), medians;
+   round): the speed-up is the median of the rounds' ratios, each against its own plain run;
 3. the speed-up the standard formula predicts beside the measured one (core.speculative.
    predict_run, what --json's `predicted_speedup` says, here against the plain run's median
    step s): acceptance a per judged guess, the draft's steady cost per guess c, the mean
@@ -199,17 +199,19 @@ def run(args) -> dict:
             rate = statistics.median(x.decode_tokens_per_second for x in runs)
             r = sorted(runs, key=lambda x: x.decode_tokens_per_second)[len(runs) // 2]
             spec = r.speculation
+            # each round's ratio is taken against the plain run beside it (the VM's speed drifts between
+            # rounds): their median is the speed-up; the ratio of the medians is kept beside it
+            paired = [x.decode_tokens_per_second / p.decode_tokens_per_second for x, p in zip(runs, plains)]
             row = {"prompt": name, "mode": mode, "plain_tok_s": plain_rate, "tok_s": rate,
-                   "speedup": rate / plain_rate,
-                   "speedup_rounds": [x.decode_tokens_per_second / p.decode_tokens_per_second
-                                      for x, p in zip(runs, plains)],
+                   "speedup": statistics.median(paired), "speedup_of_medians": rate / plain_rate,
+                   "speedup_rounds": paired,
                    "predicted_speedup": predicted(spec, step),
                    "same_tokens": all(x.token_ids == plains[0].token_ids for x in runs + plains),
                    "speculation": spec, "load_average": os.getloadavg()}
             rows.append(row)
             off = f"  [{spec['drafting_off']}]" if spec.get("drafting_off") else ""
             print(f"{name:10s} {mode:6s} plain {row['plain_tok_s']:6.1f} tok/s  {mode} {row['tok_s']:6.1f} tok/s  "
-                  f"x{row['speedup']:.2f} (predicted x{row['predicted_speedup']:.2f}, engine's "
+                  f"x{row['speedup']:.2f} ({min(paired):.2f}-{max(paired):.2f}; predicted x{row['predicted_speedup']:.2f}, engine's "
                   f"x{spec['predicted_speedup'] or 0:.2f})  accepted "
                   f"{100 * spec['acceptance_rate']:.0f}%  {spec['tokens_per_target_pass']:.2f} tok/pass  "
                   f"K used {spec['k_used']}  same tokens {row['same_tokens']}  load "
