@@ -211,8 +211,8 @@ def run(args) -> dict:
             rows.append(row)
             off = f"  [{spec['drafting_off']}]" if spec.get("drafting_off") else ""
             print(f"{name:10s} {mode:6s} plain {row['plain_tok_s']:6.1f} tok/s  {mode} {row['tok_s']:6.1f} tok/s  "
-                  f"x{row['speedup']:.2f} ({min(paired):.2f}-{max(paired):.2f}; predicted x{row['predicted_speedup']:.2f}, engine's "
-                  f"x{spec['predicted_speedup'] or 0:.2f})  accepted "
+                  f"x{row['speedup']:.2f} ({min(paired):.2f}-{max(paired):.2f}; predicted "
+                  f"x{row['predicted_speedup']:.2f}, engine's x{spec['predicted_speedup'] or 0:.2f})  accepted "
                   f"{100 * spec['acceptance_rate']:.0f}%  {spec['tokens_per_target_pass']:.2f} tok/pass  "
                   f"K used {spec['k_used']}  same tokens {row['same_tokens']}  load "
                   f"{row['load_average'][0]:.2f}{off}", flush=True)

@@ -33,10 +33,8 @@ with torch.inference_mode():
     logits = m.model(torch.tensor([ids]), cache, all_logits=True)
 engine = Engine(m.model, m.tokenizer, m.eos_token_ids)
 result = list(engine.generate(Request(ids=ids), GenerationSettings(max_new_tokens=16, ignore_eos=True)))[-1].result
-# replicated on every rank: norms, a mixture's router and its shared expert's gate
-layer_bytes = sum(p.nbytes for n, p in m.model.named_parameters()
-                  if n.startswith("layers.") and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
-out = {"rank": shard.rank, "logits": logits[0].tolist(), "tokens": result.token_ids, "layer_bytes": layer_bytes,
+params = {n: p.nbytes for n, p in m.model.named_parameters()}
+out = {"rank": shard.rank, "logits": logits[0].tolist(), "tokens": result.token_ids, "params": params,
        "cache_bytes_per_token": result.cache.bytes_per_token}
 open(sys.argv[3] + f".{shard.rank}", "w").write(json.dumps(out))
 dist.barrier()
@@ -52,6 +50,13 @@ def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProce
     every rank when one fails, so a failure never leaves a rank waiting for its peer."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(TORCHRUN + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def split_bytes(params: dict[str, int]) -> int:
+    """Bytes of the layers' parameters that tensor parallelism splits: all but those every rank
+    holds whole (norms, a mixture's router and its shared expert's gate)."""
+    return sum(b for n, b in params.items()
+               if n.startswith("layers.") and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
 
 
 def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER) -> list[dict]:
@@ -77,12 +82,11 @@ def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     engine = Engine(whole.model, whole.tokenizer, whole.eos_token_ids)
     tokens = list(engine.generate(Request(ids=ids), GenerationSettings(max_new_tokens=16, ignore_eos=True)))[-1]
     ranks = run_two_ranks(folder, ids, tmp_path / "out")
-    whole_layer_bytes = sum(p.nbytes for n, p in whole.model.named_parameters() if n.startswith("layers.")
-                            and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
+    whole_layer_bytes = split_bytes({n: p.nbytes for n, p in whole.model.named_parameters()})
     for r in ranks:
         assert (torch.tensor(r["logits"]) - expected).abs().max() < 1e-4
         assert r["tokens"] == tokens.result.token_ids
-        assert r["layer_bytes"] * 2 == whole_layer_bytes  # the layers' weights are split in half
+        assert split_bytes(r["params"]) * 2 == whole_layer_bytes  # the layers' weights are split in half
         assert r["cache_bytes_per_token"] * 2 == tokens.result.cache.bytes_per_token
 
 
