@@ -1,5 +1,6 @@
-"""llama.cpp for the tests: its convert_hf_to_gguf.py (the reference writer of GGUF files) and,
-where installed, llama-cpp-python (the reference reader). One home for finding them; every
+"""llama.cpp for the tests: its convert_hf_to_gguf.py (the reference writer of GGUF files), its
+ggml source (the C reference quantizers, ggml_source) and, where installed, llama-cpp-python
+(the reference reader). One home for finding them; every
 test that converts or loads through llama.cpp goes through here.
 
 The converter ships in llama-cpp-python's sdist, not in its wheel. It is found, first hit wins:
@@ -62,9 +63,9 @@ def _wanted(rel: PurePosixPath) -> bool:
             or (len(parts) == 3 and parts[:2] == ("gguf-py", "gguf") and rel.suffix in (".py", ".typed")))
 
 
-def extract(sdist: Path, into: Path) -> Path | None:
-    """convert_hf_to_gguf.py and its imports from llama-cpp-python's sdist, under `into`
-    (the tree's layout kept: the script finds conversion/ and gguf-py/ beside it)."""
+def extract(sdist: Path, into: Path, wanted=_wanted) -> None:
+    """The files of llama-cpp-python's sdist under vendor/llama.cpp/ that `wanted` keeps, under
+    `into` with the tree's layout (the converter finds conversion/ and gguf-py/ beside it)."""
     with tarfile.open(sdist, "r:gz") as tar:
         for member in tar:
             if not member.isfile():
@@ -74,12 +75,23 @@ def extract(sdist: Path, into: Path) -> Path | None:
                 rel = name.relative_to(name.parts[0], "vendor", "llama.cpp")
             except ValueError:
                 continue
-            if _wanted(rel):
+            if wanted(rel):
                 dest = into.joinpath(*rel.parts)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(tar.extractfile(member).read())
-    script = into / SCRIPT
-    return script if script.is_file() else None
+
+
+def _sdists() -> list[Path]:
+    """The downloaded sdists, this version first."""
+    return (sorted(SDIST_FOLDER.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+            + sorted(SDIST_FOLDER.glob("llama_cpp_python-*.tar.gz")))
+
+
+def _scratch(prefix: str) -> Path:
+    """A temporary folder removed when the test session ends."""
+    into = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, into, True)
+    return into
 
 
 def _from(path: Path) -> Path | None:
@@ -91,9 +103,9 @@ def _from(path: Path) -> Path | None:
                 return candidate
         return None
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
-        into = Path(tempfile.mkdtemp(prefix="twice-llamacpp-"))
-        atexit.register(shutil.rmtree, into, True)
-        return extract(path, into)
+        into = _scratch("twice-llamacpp-")
+        extract(path, into)
+        return into / SCRIPT if (into / SCRIPT).is_file() else None
     return None
 
 
@@ -105,10 +117,41 @@ def converter() -> Path | None:
             _found["script"] = _from(Path(given))
         else:
             candidates = sorted(PEER_SRC.glob(f"llama_cpp_python-*/vendor/llama.cpp/{SCRIPT}"))
-            candidates += sorted(SDIST_FOLDER.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
-            candidates += sorted(SDIST_FOLDER.glob("llama_cpp_python-*.tar.gz"))
+            candidates += _sdists()
             _found["script"] = next((s for s in map(_from, candidates) if s is not None), None)
     return _found["script"]
+
+
+def _ggml_wanted(rel: PurePosixPath) -> bool:
+    """What llama.cpp's reference quantizers compile from: ggml/include/*.h, ggml/src/*.h,
+    ggml/src/ggml-cpu/*.h and ggml/src/ggml-quants.c."""
+    parts = rel.parts
+    if ".." in parts or rel.is_absolute() or parts[:1] != ("ggml",):
+        return False
+    return (rel.suffix == ".h" and parts[1:-1] in (("include",), ("src",), ("src", "ggml-cpu"))) or (
+        parts[1:] == ("src", "ggml-quants.c"))
+
+
+def ggml_source() -> Path | None:
+    """A ggml source tree holding src/ggml-quants.c (llama.cpp's C reference quantizers), first
+    hit wins: $TWICE_GGML_SRC (ggml's repository, llama.cpp's tree or its ggml/ folder), the
+    peer's unpacked sdist, or the few files extracted from the sdist in .venv/llama-cpp-sdist
+    (once per test session, into a temporary folder removed at exit); None without any."""
+    if "ggml" not in _found:
+        roots = [Path(os.environ["TWICE_GGML_SRC"])] if os.environ.get("TWICE_GGML_SRC") else []
+        roots += sorted(PEER_SRC.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        found = None
+        for root in roots:
+            for cand in (root, root / "ggml", root / "vendor" / "llama.cpp" / "ggml"):
+                if (cand / "src" / "ggml-quants.c").is_file() and (cand / "include" / "ggml.h").is_file():
+                    found = found or cand
+        if found is None and not os.environ.get("TWICE_GGML_SRC") and _sdists():
+            into = _scratch("twice-ggml-")
+            extract(_sdists()[0], into, _ggml_wanted)
+            if (into / "ggml" / "src" / "ggml-quants.c").is_file():
+                found = into / "ggml"
+        _found["ggml"] = found
+    return _found["ggml"]
 
 
 def convert(folder: Path, out: Path, outtype: str, pre: str | None = "gpt-2") -> Path:
@@ -171,24 +214,37 @@ def llama_logits(path: Path, ids: list[int]):
     return torch.tensor(result["logits"]), result["n_vocab"]
 
 
-_TOKENS = """
+_VOCAB = """
 import json, sys
 import llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
-texts = json.loads(sys.stdin.read())
-print(json.dumps([llm.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in texts]))
+job = json.loads(sys.stdin.read())
+print(json.dumps({"ids": [llm.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in job["texts"]],
+                  "bytes": [list(llm.detokenize(ids, special=job["special"])) for ids in job["decode"]]}))
 """
 
 
-def llama_tokens(path: Path, texts: list[str]) -> list[list[int]]:
-    """llama.cpp's tokens (BOS as the file says, special tokens parsed) of each text, from the
-    GGUF at `path` (skips where llama_cpp is not importable)."""
+def llama_vocab(path: Path, texts: list[str], decode: list[list[int]] = (), special: bool = True,
+                skip: bool = True) -> tuple[list[list[int]], list[str]] | None:
+    """llama.cpp's tokens (BOS as the file says, special tokens parsed) of each text and its
+    detokenized text of each id list in `decode` (special tokens written out where `special`),
+    from the GGUF at `path`. Where llama_cpp is not importable: skips the test, or returns None
+    with skip=False (for tests that check llama.cpp only where it is there)."""
     import json
 
     python = llama_cpp_python()
     if python is None:
-        pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
-    p = subprocess.run([python, "-c", _TOKENS, str(path)], input=json.dumps(texts), capture_output=True, text=True,
+        if skip:
+            pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
+        return None
+    job = {"texts": list(texts), "decode": [list(ids) for ids in decode], "special": special}
+    p = subprocess.run([python, "-c", _VOCAB, str(path)], input=json.dumps(job), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    return result["ids"], [bytes(b).decode("utf-8") for b in result["bytes"]]
+
+
+def llama_tokens(path: Path, texts: list[str]) -> list[list[int]]:
+    """llama.cpp's tokens of each text (llama_vocab's), skipping where llama_cpp is not importable."""
+    return llama_vocab(path, texts)[0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from clirun import one_error_line, run_inprocess
+from llamacpp import llama_cpp_python
 import tiny
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
@@ -452,22 +452,6 @@ def test_a_bad_tensor_midway_leaves_nothing_behind(tmp_path, capsys, model_dirs,
 # -- llama.cpp itself (outside CI: needs llama-cpp-python) ---------------------------------
 
 
-def _llama_cpp_python() -> str | None:
-    """A Python that can import llama_cpp: this one, or TWICE_LLAMA_CPP_PYTHON (the peer
-    benchmark's virtual environment, e.g. /work/peer-venv/bin/python)."""
-    try:
-        import llama_cpp  # noqa: F401
-
-        return sys.executable
-    except ImportError:
-        pass
-    other = os.environ.get("TWICE_LLAMA_CPP_PYTHON")
-    if other and Path(other).is_file():
-        ok = subprocess.run([other, "-c", "import llama_cpp"], capture_output=True).returncode == 0
-        return other if ok else None
-    return None
-
-
 _LOAD_AND_TOKENIZE = """
 import json, sys
 import numpy as np
@@ -493,7 +477,7 @@ def test_llama_cpp_loads_the_output(tmp_path, capsys, model_dirs, tokenizer, fam
     q8_0 0.04-0.06, q4_0 0.38-0.68."""
     from transformers import AutoModelForCausalLM
 
-    python = _llama_cpp_python()
+    python = llama_cpp_python()
     if python is None:
         pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
     folder = model_dirs(family)

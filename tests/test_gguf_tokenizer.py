@@ -20,7 +20,6 @@ we run: qwen2, smollm, llama-bpe, gpt-2, and (slow) on the real SmolLM2 and Qwen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from llamacpp import llama_vocab
 from tiny import add_gguf_metadata
 
 from twice.core.errors import UnsupportedModelError, WeightsError
@@ -455,21 +455,14 @@ def test_spm_through_converted_folder(tmp_path):
 # -- llama.cpp itself, where its Python package is installed ----------------------------------
 
 
-def llama_cpp_vocab(path: Path):
-    """llama.cpp's tokenizer for the file, or None where the llama_cpp package is not installed."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    import llama_cpp
-
-    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-
-
 def assert_byte_level_equals_llama_cpp(path: Path, ours, texts: list[str]) -> None:
-    llm = llama_cpp_vocab(path)
-    for text in texts if llm is not None else ():
-        ids = ours.encode(text).ids
-        assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) == ids, text
-        assert llm.detokenize(ids, special=True).decode("utf-8") == ours.decode(ids, skip_special_tokens=False), text
+    """llama.cpp tokenizes and detokenizes each text as we do (where llama_cpp is importable:
+    this check is one part of tests that also run without it)."""
+    ids = [ours.encode(text).ids for text in texts]
+    theirs = llama_vocab(path, texts, decode=ids, special=True, skip=False)
+    if theirs is not None:
+        assert theirs[0] == ids
+        assert theirs[1] == [ours.decode(i, skip_special_tokens=False) for i in ids]
 
 
 @pytest.mark.parametrize("kind, flags", [
@@ -478,19 +471,18 @@ def assert_byte_level_equals_llama_cpp(path: Path, ours, texts: list[str]) -> No
     ("unigram", {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True}),
 ])
 def test_spm_equals_llama_cpp(tmp_path, kind, flags):
-    pytest.importorskip("llama_cpp")
     path = write_gguf(tmp_path / "spm.gguf", spm_metadata(kind, **flags))
     metadata = read_gguf(path).metadata
     ours, _ = build_tokenizer(metadata, config_for(metadata), path)
-    llm = llama_cpp_vocab(path)
-    for text in CORPUS:
-        ids = ours.encode(text).ids
-        assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) == ids, text  # add_bos: the file's flags
-        if ids[:1] == [1] and flags.get("tokenizer.ggml.add_space_prefix", True):
+    ids = [ours.encode(text).ids for text in CORPUS]
+    tokens, texts = llama_vocab(path, CORPUS, decode=ids, special=False)
+    assert tokens == ids  # add_bos: the file's flags
+    for text, got, want in zip(CORPUS, texts, ids):
+        if want[:1] == [1] and flags.get("tokenizer.ggml.add_space_prefix", True):
             # llama-cpp-python joins the pieces (control tokens are empty) and drops one
             # space after a leading BOS (whatever the file's add_space_prefix), as our
             # decoder's Strip does for a file that adds the prefix space
-            assert llm.detokenize(ids).decode("utf-8") == ours.decode(ids, skip_special_tokens=True), text
+            assert got == ours.decode(want, skip_special_tokens=True), text
 
 
 # -- byte-level BPE: the pre-tokenizers of the files we run -----------------------------------

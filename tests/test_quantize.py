@@ -4,8 +4,9 @@
   llama.cpp's quantize_row_*_ref), on rows with every edge a block can have.
 - Q2_K..Q6_K (gguf 0.19 has no quantizer for them): bit for bit llama.cpp's C reference, through
   the sha256 of its bytes on a fixed input (computed from ggml-quants.c built with
-  -ffp-contract=off) and, when a ggml source tree (TWICE_GGML_SRC) or a built libggml-base.so
-  (TWICE_GGML_LIB, or llama-cpp-python's) is at hand (slow), against the C itself on fresh data;
+  -ffp-contract=off) and (slow) against the C itself on fresh data, compiled from the ggml
+  source in llama-cpp-python's sdist (tests/llamacpp.ggml_source; TWICE_GGML_SRC names another)
+  or loaded from a built libggml-base.so (TWICE_GGML_LIB, or llama-cpp-python's);
   round trips within each type's error and clearly better than a plain absmax quantizer of the
   same bits; the packed scales decode to what was packed.
 - The mixtures' per-tensor types against the rules, and against the real Qwen2.5-Coder-0.5B
@@ -28,6 +29,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
+from llamacpp import ggml_source
 from twice.core import quant
 from twice.core.quant import kquants, mixes
 
@@ -179,17 +181,6 @@ def test_bit_exact_with_c_reference_golden(name):
     assert hashlib.sha256(got.tobytes()).hexdigest() == C_REFERENCE_SHA256[name]
 
 
-def _ggml_source() -> Path | None:
-    """A ggml source tree (ggml's own repository, or llama.cpp's ggml/ folder) from TWICE_GGML_SRC."""
-    root = os.environ.get("TWICE_GGML_SRC")
-    if not root:
-        return None
-    for cand in (Path(root), Path(root) / "ggml", Path(root) / "vendor" / "llama.cpp" / "ggml"):
-        if (cand / "src" / "ggml-quants.c").is_file() and (cand / "include" / "ggml.h").is_file():
-            return cand
-    return None
-
-
 _STUBS = r"""
 #include <stddef.h>
 #include <stdlib.h>
@@ -217,7 +208,7 @@ def _ggml_library() -> Path | None:
 
 @pytest.fixture(scope="module")
 def c_reference(tmp_path_factory):
-    src = _ggml_source()
+    src = ggml_source()
     cc = shutil.which("gcc") or shutil.which("cc")
     if src is not None and cc is not None:
         out = tmp_path_factory.mktemp("ggmlref")
@@ -229,8 +220,8 @@ def c_reference(tmp_path_factory):
     else:
         lib = _ggml_library()
         if lib is None:
-            pytest.skip("set TWICE_GGML_SRC to a ggml (or llama.cpp) source tree, or TWICE_GGML_LIB to a "
-                        "libggml-base.so, to compare with llama.cpp's C reference")
+            pytest.skip("no ggml source (the README's test command downloads llama-cpp-python's sdist, "
+                        "which holds one; or set TWICE_GGML_SRC or TWICE_GGML_LIB) to compare with llama.cpp's C reference")
     so = ctypes.CDLL(str(lib))
 
     def run(x: np.ndarray, name: str) -> np.ndarray:
