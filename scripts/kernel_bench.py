@@ -42,7 +42,8 @@ rows as stored (two loads), paired rounds: the 16-row step over the 1-row step i
     python scripts/kernel_bench.py --step --threads 1 --rows 1,4,16 --cpu-time --rounds 5
 
 With --against REV as well: the whole native library of REV (every kernel source) beside this
-tree's, one load of the model, two decoders, paired rounds (--step-dtype: the activations'):
+tree's, one load of the model, two decoders, paired rounds (--step-dtype: the activations';
+--step-kv-dtype: the cache's, e.g. q8_0 with --position 1024 for the block attention):
 
     python scripts/kernel_bench.py --step qwen2.5-coder-0.5b-instruct-q4_k_m --threads 2 --rows 1,16 \
         --against HEAD --rounds 7 --step-dtype bfloat16
@@ -293,10 +294,10 @@ def step_against_main(args) -> None:
     now, then = NativeDecoder(m.model), NativeDecoder(m.model)
     then.lib = build_kernels_at(args.against)
     dtype = getattr(torch, args.step_dtype)
-    print(f"native step of {m.name} ({args.step_dtype}), {args.threads} thread(s), position {args.position}: this "
-          f"tree against {args.against}, {args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
+    print(f"native step of {m.name} ({args.step_dtype}, kv {args.step_kv_dtype or 'auto'}), {args.threads} thread(s), "
+          f"position {args.position}: this tree against {args.against}, {args.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
     rows_list = list(map(int, args.rows.split(",")))
-    caches = {r: KVCache(m.config, r, args.position + 64, dtype, "cpu") for r in rows_list}
+    caches = {r: KVCache(m.config, r, args.position + 64, dtype, "cpu", kv_dtype=args.step_kv_dtype) for r in rows_list}
     best = time_steps({name: {r: (native, caches[r]) for r in rows_list} for name, native in (("now", now), ("then", then))},
                       rows_list, args.rounds, args.position, clock)
     print(f"{'rows':>4} {'now':>9} {'then':>9} {'speedup':>7}")
@@ -410,6 +411,7 @@ def main() -> None:
                    help="the native decode step of MODEL (default: twice's default model), x8 against rows as stored")
     p.add_argument("--position", type=int, default=64, help="with --step: the cache column each step writes")
     p.add_argument("--step-dtype", default="float32", help="with --step --against: the activations' dtype")
+    p.add_argument("--step-kv-dtype", default=None, help="with --step --against: the KV cache's type (e.g. q8_0)")
     args = p.parse_args()
     lib = kernels.library()
     if lib is None:
