@@ -145,17 +145,30 @@ class CachedSelfAttention(torch.nn.Module):
         self.scale, self.layer, self.window = scale, layer, window
         self.softcap = softcap  # attention-logit soft-cap (gemma2); None: SDPA / the native kernel
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope=None, product=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] → q [B, H, T, D], k and v [B, kv_heads, T, D]: projected (by the
+        module, or `product(x, qkv_proj)`: the compiled step's), normalized where the family
+        does, rotated by `rope`. The eager and compiled steps both start here."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        y = self.qkv_proj(x) if product is None else product(x, self.qkv_proj)
+        q, k, v = y.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k = self.normed(q, k, b, t)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        return q, k, v
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections [B, T, H·D] as heads [B, H, T, D], each head RMS-normalized where
+        the family does (qwen3, gemma3; olmo2 normalizes the whole projection instead)."""
         q = q.view(b, t, self.heads, self.head_dim)
         k = k.view(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope)
         if getattr(cache, "quantized", False) and (bias := key_bias(self)) is not None:
             cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
         keys, values = cache.write(self.layer, step.column, k, v)

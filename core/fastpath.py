@@ -31,22 +31,34 @@ from . import kernels
 from .cache import KVCache
 from .cudagraph import CapturedSteps
 from .device import synchronize
+from .experts import SparseMoE, route
 from .layers import ACTIVATIONS
 from .model import CausalLM
 from .qweight import BlockWeight, product
+from .rope import apply_rotary
 
 NATIVE = False  # set by CompiledDecoder: the native gemv kernel was built and loads
 CAPACITY_BUCKET = 256
 GEMV_BLOCK = 16  # rows reduced together: enough independent accumulators to keep the FMAs busy
 
 
-# What the compiled step implements (family.py): the two block kinds below, any activation.
-IMPLEMENTS = frozenset({"block:llama", "block:gpt2", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "window"}
+# What the compiled step implements (family.py): gpt2's block and the blocks that wire
+# themselves around an attention and an MLP (`wire`: llama's, gemma's sandwich, olmo2's
+# post-norms), gated or a mixture of experts (with float experts, below), any activation.
+IMPLEMENTS = frozenset({"block:llama", "block:gpt2", "block:sandwich", "block:post_norm", "qkv_bias", "o_bias",
+                        "mlp_bias", "qk_norm", "qk_norm:full", "window", "norm:offset1", "embed_scale",
+                        "attn_softcap", "final_softcap", "rope:local", "rope:partial", "moe", "moe:shared"}
                        | {f"act:{a}" for a in ACTIVATIONS})
 
 
 def supported(model: CausalLM) -> bool:
-    return model.features() <= IMPLEMENTS
+    """The model's features are implemented here, and its experts (if any) are float: a
+    step gathers the chosen experts' matrices by index on the device (_moe), which GGUF blocks,
+    read per expert through the host, do not allow in a recorded step."""
+    blocks = any(isinstance(m.experts.gate_up_proj.weight, BlockWeight) or isinstance(m.experts.down_proj.weight,
+                                                                                     BlockWeight)
+                 for m in model.modules() if isinstance(m, SparseMoE))
+    return model.features() <= IMPLEMENTS and not blocks
 
 
 def bucketed(capacity: int) -> int:
@@ -54,15 +66,21 @@ def bucketed(capacity: int) -> int:
 
 
 def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x [B, in] @ weight.T (+ bias), for compiled code only. On a GPU, or for several rows,
+    """x [..., in] @ weight.T (+ bias), for compiled code only. On a GPU, or for several rows,
     a plain matrix product (cuBLAS there). On the CPU at batch 1, accumulated in float32:
     the native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else
     one fused inductor reduction."""
-    w = linear.weight
+    return _linear(x, linear.weight, linear.bias)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """gemv of a weight and bias, x [..., in] (CachedSelfAttention.qkv's x is [B, 1, hidden])."""
+    if x.dim() != 2:
+        return _linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], -1)
     if isinstance(w, BlockWeight):  # blocks: the weight's own product (dequantized tiles, or the int8 kernel)
-        return product(x, w, linear.bias)
+        return product(x, w, bias)
     if w.device.type != "cpu" or x.shape[0] != 1:
-        return torch.nn.functional.linear(x, w, linear.bias)
+        return torch.nn.functional.linear(x, w, bias)
     out, inn = w.shape
     if NATIVE and w.dtype in (torch.float32, torch.bfloat16):
         y = torch.ops.twice.gemv(x, w)
@@ -70,8 +88,8 @@ def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         y = (w.float() * x.float()).sum(-1).view(1, out)
     else:
         y = (w.view(out // GEMV_BLOCK, GEMV_BLOCK, inn).float() * x.float().view(1, 1, inn)).sum(-1).view(1, out)
-    if linear.bias is not None:
-        y = y + linear.bias.float()
+    if bias is not None:
+        y = y + bias.float()
     return y.to(x.dtype)
 
 
@@ -84,16 +102,11 @@ class _BlockHead:
 
 def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
     """attn: CachedSelfAttention; x [B, hidden]; k/v_cache [B, kv_heads, S, D] (this layer,
-    written in place at `column` [1]); cos/sin [B, 1, 1, D]; mask [B, S] bool."""
+    written in place at `column` [1]); cos/sin [B, 1, 1, rotary dim] (None: no RoPE);
+    mask [B, S] bool."""
     b, d = x.shape[0], attn.head_dim
-    q, k, v = gemv(x, attn.qkv_proj).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-    q, k, v = q.view(b, attn.heads, 1, d), k.view(b, attn.kv_heads, 1, d), v.view(b, attn.kv_heads, 1, d)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if cos is not None:
-        half = d // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+    rope = None if cos is None else (lambda t: apply_rotary(t, cos, sin))
+    q, k, v = attn.qkv(x.unsqueeze(1), rope, gemv)  # [B, heads, 1, D], [B, kv_heads, 1, D]
     k_cache.index_copy_(2, column, k)
     v_cache.index_copy_(2, column, v)
     # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, D] against [B, kv_heads, S, D].
@@ -103,16 +116,50 @@ def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
     # as many bytes again as the weights).
     qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, 1, d).float()
     scores = (qg * k_cache.unsqueeze(2).float()).sum(-1) * attn.scale  # [B, kv_heads, n_rep, S]
+    if attn.softcap is not None:  # gemma2: tanh(s / cap) · cap before the mask
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
     probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf")), dim=-1)
     out = (probs.unsqueeze(-1) * v_cache.unsqueeze(2).float()).sum(-2).to(x.dtype).view(b, attn.q_size)
     return gemv(out, attn.o_proj)
 
 
-def _llama_block(block, x, k_cache, v_cache, column, cos, sin, mask):
-    x = x + _attention(block.self_attn, block.input_layernorm(x), k_cache, v_cache, column, cos, sin, mask)
-    mlp = block.mlp
-    gate, up = gemv(block.post_attention_layernorm(x), mlp.gate_up_proj).split(mlp.intermediate, dim=-1)
-    return x + gemv(mlp.act(gate) * up, mlp.down_proj)
+def _mlp(mlp, x):
+    """A GatedMLP on gemv's products."""
+    gate, up = gemv(x, mlp.gate_up_proj).split(mlp.intermediate, dim=-1)
+    return gemv(mlp.act(gate) * up, mlp.down_proj)
+
+
+def _moe(moe, x):
+    """A SparseMoE (experts.py) on x [B, hidden] with no host work: the router as eager routes,
+    each row's top_k experts' matrices gathered by index from the stacked weights (only those
+    are read) and multiplied as one batched product, their outputs weighted and added in
+    increasing expert order (eager's order, each cast to the activation dtype as it is added),
+    then the shared expert where there is one."""
+    weights, chosen = route(gemv(x, moe.gate), moe.top_k, moe.renormalize, moe.float_weights)
+    chosen, order = torch.sort(chosen, dim=-1)
+    weights = weights.gather(-1, order)
+    ex, b, k = moe.experts, x.shape[0], moe.top_k
+    i, h = ex.intermediate, ex.hidden
+    ids = chosen.reshape(-1)  # [B·k]
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [B·k, hidden, 1]
+    gu = torch.bmm(ex.gate_up_proj.weight.view(ex.experts, 2 * i, h).index_select(0, ids), xs).squeeze(-1)
+    gate, up = gu.split(i, dim=-1)
+    y = torch.bmm(ex.down_proj.weight.view(ex.experts, h, i).index_select(0, ids),
+                  (ex.act(gate) * up).unsqueeze(-1)).squeeze(-1).view(b, k, h)
+    y = y * weights.unsqueeze(-1)
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + y[:, j].to(x.dtype)
+    if moe.shared_expert is not None:
+        out = out + torch.sigmoid(gemv(x, moe.shared_expert_gate)) * _mlp(moe.shared_expert, x)
+    return out
+
+
+def _wired_block(block, x, k_cache, v_cache, column, cos, sin, mask):
+    """A block as its family wires it (llama's, gemma's sandwich, olmo2's post-norms: `wire`)
+    around this step's attention and MLP (gated, or a mixture's)."""
+    mlp = (lambda h: _moe(block.mlp, h)) if isinstance(block.mlp, SparseMoE) else (lambda h: _mlp(block.mlp, h))
+    return block.wire(x, lambda h: _attention(block.self_attn, h, k_cache, v_cache, column, cos, sin, mask), mlp)
 
 
 def _gpt2_block(block, x, k_cache, v_cache, column, cos, sin, mask):
@@ -135,7 +182,7 @@ class CompiledDecoder:
         self.model = model
         self.gpt2 = "block:gpt2" in model.features()
         self.cpu = next(model.parameters()).device.type == "cpu"
-        block_fn = _gpt2_block if self.gpt2 else _llama_block
+        block_fn = _gpt2_block if self.gpt2 else _wired_block
         # GPU: symbolic batch and capacity from the start, so that rows finishing (a smaller
         # batch) or a new bucket never stall decoding with a compile (batch 1 gets its own).
         # CPU: static for the first bucket (the reductions unroll), symbolic from the second
@@ -193,12 +240,20 @@ class CompiledDecoder:
         self.compile_seconds += seconds
         return seconds
 
+    def _ropes(self) -> dict:
+        """The RoPE tables by a block's `local_rope` (gemma3's sliding layers have their own)."""
+        local = getattr(self.model, "rope_local", None)
+        return {False: self.model.rope} if local is None else {False: self.model.rope, True: local}
+
     def _tables(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
         """RoPE tables long enough for the cache (the graph keeps the ones it reads)."""
         if self.gpt2:
             return ()
-        self.model.rope.ensure(cache.capacity)
-        return (self.model.rope.cos, self.model.rope.sin)
+        out = []
+        for table in self._ropes().values():
+            table.ensure(cache.capacity)
+            out += [table.cos, table.sin]
+        return tuple(out)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -234,10 +289,13 @@ class CompiledDecoder:
             blocks, norm = model.h, model.ln_f
         else:
             x = model.embed_tokens(tokens[:, 0])
-            cos = model.rope.cos.index_select(0, positions).view(b, 1, 1, -1)
-            sin = model.rope.sin.index_select(0, positions).view(b, 1, 1, -1)
+            if getattr(model, "embed_scale", None) is not None:  # gemma: sqrt(hidden) in the activation dtype
+                x = x * model.embed_scale
+            tables = {local: (t.cos.index_select(0, positions).view(b, 1, 1, -1),
+                              t.sin.index_select(0, positions).view(b, 1, 1, -1)) for local, t in self._ropes().items()}
             blocks, norm = model.layers, model.norm
         for i, block in enumerate(blocks):
             window = (block.attn if self.gpt2 else block.self_attn).window
+            cos, sin = (None, None) if self.gpt2 else tables[getattr(block, "local_rope", False)]
             x = self.block(block, x, cache.k[i], cache.v[i], column, cos, sin, masks[window])
-        return self.head(norm, self.head_linear, x)
+        return model.finish_logits(self.head(norm, self.head_linear, x))

@@ -89,8 +89,12 @@ class Block(torch.nn.Module):
         self.local_rope = o.local_rope is not None and c.layer_types[layer] == "sliding_attention"
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step, cache, rope))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
+
+    def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
+        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
+        x = x + self.post_attention_layernorm(attention(self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
 
 
 # Where a gemma3 image-text checkpoint keeps its text model (transformers 5 saves the first

@@ -41,8 +41,12 @@ class Block(torch.nn.Module):
         return GatedMLP(c.hidden_size, intermediate, c.hidden_act, c.mlp_bias, shard=shard)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
+
+    def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
+        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
+        x = x + attention(self.input_layernorm(x))
+        return x + mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(CausalLM):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import CachedSelfAttention, Step, attend
+from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import UnsupportedModelError
@@ -50,16 +50,10 @@ class Olmo2Attention(CachedSelfAttention):
         self.q_norm = Olmo2RMSNorm(self.q_size, c.rms_norm_eps)
         self.k_norm = Olmo2RMSNorm(self.kv_size, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+    def normed(self, q: torch.Tensor, k: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q), rope(k)
-        keys, values = cache.write(self.layer, step.column, k, v)
-        return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale))
+        return (q.view(b, t, self.heads, self.head_dim).transpose(1, 2),
+                k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2))
 
 
 class Block(torch.nn.Module):
@@ -72,8 +66,12 @@ class Block(torch.nn.Module):
         self.post_feedforward_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(x, step, cache, rope))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
+
+    def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
+        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
+        x = x + self.post_attention_layernorm(attention(x))
+        return x + self.post_feedforward_layernorm(mlp(x))
 
 
 class Olmo2Model(LlamaModel):

@@ -51,7 +51,7 @@ import collections
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

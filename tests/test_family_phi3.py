@@ -172,15 +172,15 @@ def test_parameter_count_equals_transformers(model_dirs, tmp_path):
 
 
 def test_features_and_fast_steps(model_dirs):
-    """Partial rotary is declared; the compiled step (full head_dim RoPE) refuses it; the
-    engine then decodes with the eager layers (or a native step that implements it)."""
+    """Partial rotary is declared; both steps implement it (rope.apply_rotary), the native one
+    chosen first (the compiled one: tests/test_fastpath.py)."""
     from twice.core import fastpath, native_decode
 
     ours = load(str(model_dirs(LONG)), device="cpu", dtype="float32")
     assert ours.model.features() == {"block:llama", "act:silu", "rope:partial", "window"}
-    assert not fastpath.supported(ours.model)
+    assert fastpath.supported(ours.model)
     engine = Engine(ours.model, ours.tokenizer, ours.eos_token_ids, compile=True)
-    assert engine.decode_path == ("native" if native_decode.supported(ours.model) else "eager")
+    assert engine.decode_path == ("native" if native_decode.supported(ours.model) else "compiled")
 
 
 @pytest.fixture(scope="module")
