@@ -20,8 +20,8 @@ import torch
 
 from .cache import KVCache
 
-# run(tokens [B, 1], column [1], starts [B] | None, cache) -> logits [B, V]; pure tensor work
-# (nothing on the host depends on the column), so that it can be recorded.
+# run(tokens [B, T], column [1], starts [B] | None, cache) -> logits [B, V] (T = 1) or [B, T, V];
+# pure tensor work (nothing on the host depends on the column), so that it can be recorded.
 StepFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", KVCache], torch.Tensor]
 # record(fn, device) -> (replay, outputs): run fn as a graph; replay() recomputes outputs in place.
 Recorder = Callable[[Callable[[], torch.Tensor], torch.device], tuple[Callable[[], None], torch.Tensor]]
@@ -43,26 +43,29 @@ def record_cuda_graph(fn: Callable[[], torch.Tensor], device: torch.device) -> t
 
 
 class CapturedStep:
-    """`run` recorded for one cache. Warm-up steps run at the cache's last column, which
-    no token occupies yet (later tokens overwrite it; until then it is masked)."""
+    """`run` recorded for one cache and `width` tokens a row (1: a step; K + 1: a speculative
+    verify pass). Warm-up passes run at the cache's last columns, which no token occupies yet
+    (later tokens overwrite them; until then they are masked)."""
 
     def __init__(self, run: StepFn, cache: KVCache, keep: tuple[torch.Tensor, ...] = (),
-                 record: Recorder = record_cuda_graph):
+                 record: Recorder = record_cuda_graph, width: int = 1):
         device = cache.k.device
         # Weak: when the engine drops this cache, the graph is dropped too (never replayed
         # on memory that was freed), instead of keeping a dead cache alive.
         self._k, self._v = weakref.ref(cache.k), weakref.ref(cache.v)
         self.starts = cache.starts  # read by the graph, so kept alive with it
         self.keep = keep  # other tensors it reads (RoPE tables) that their owner may replace
-        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
-        self.column = torch.full((1,), cache.capacity - 1, dtype=torch.long, device=device)
+        self.width = width
+        self.tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)
+        self.column = torch.full((1,), cache.capacity - width, dtype=torch.long, device=device)
         self.replay, self.logits = record(lambda: run(self.tokens, self.column, self.starts, cache), device)
 
     def alive(self) -> bool:
         return self._k() is not None and self._v() is not None
 
-    def serves(self, cache: KVCache) -> bool:
-        return self._k() is cache.k and self._v() is cache.v and self.starts is cache.starts
+    def serves(self, cache: KVCache, width: int = 1) -> bool:
+        return (self._k() is cache.k and self._v() is cache.v and self.starts is cache.starts
+                and self.width == width)
 
     def __call__(self, tokens: torch.Tensor, column: int) -> torch.Tensor:
         self.tokens.copy_(tokens, non_blocking=True)
@@ -72,19 +75,19 @@ class CapturedStep:
 
 
 class CapturedSteps:
-    """The recorded steps of the caches still in use, one per cache."""
+    """The recorded steps of the caches still in use, one per cache and width."""
 
     def __init__(self, run: StepFn, record: Recorder = record_cuda_graph):
         self.run, self.record = run, record
         self.steps: list[CapturedStep] = []
 
-    def find(self, cache: KVCache) -> CapturedStep | None:
+    def find(self, cache: KVCache, width: int = 1) -> CapturedStep | None:
         self.steps = [s for s in self.steps if s.alive()]
-        return next((s for s in self.steps if s.serves(cache)), None)
+        return next((s for s in self.steps if s.serves(cache, width)), None)
 
-    def capture(self, cache: KVCache, keep: tuple[torch.Tensor, ...] = ()) -> CapturedStep:
-        step = self.find(cache)
+    def capture(self, cache: KVCache, keep: tuple[torch.Tensor, ...] = (), width: int = 1) -> CapturedStep:
+        step = self.find(cache, width)
         if step is None:
-            step = CapturedStep(self.run, cache, keep, self.record)
+            step = CapturedStep(self.run, cache, keep, self.record, width)
             self.steps.append(step)
         return step

@@ -358,7 +358,8 @@ class Engine:
                                  kv_heads=self.model.kv_heads, kv_dtype=self.kv_dtype)
         self.cache.truncate(reused)
         self.cache.grow(self._capacity(needed))
-        compile_seconds = yield from self._warm(self.cache)
+        speculator = self._speculator(settings)
+        compile_seconds = yield from self._warm(self.cache, verify=speculator is not None)
         start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(ids), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds
@@ -373,7 +374,7 @@ class Engine:
         synchronize(self.device)
         prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
-        if (speculator := self._speculator(settings)) is not None:
+        if speculator is not None:
             yield from speculative.decode(self, row, self.cache, sampler, logits, start, prefill_seconds, speculator)
             return
         yield from self._decode([row], self.cache, sampler, logits, start, prefill_seconds, track=True)
@@ -481,17 +482,19 @@ class Engine:
         cache.length = width
         return torch.cat(last)
 
-    def _warm(self, cache: KVCache) -> Iterator[Notice]:
-        """Make the fast decode step ready for `cache` (compile it, record its GPU graph);
+    def _warm(self, cache: KVCache, verify: bool = False) -> Iterator[Notice]:
+        """Make the fast decode step ready for `cache` (compile it, record its GPU graph; with
+        `verify`, a compiled step's pass of several tokens too: speculative decoding's);
         returns the seconds that took. If it cannot be built here (no compiler toolchain,
         a device that refuses the graph) decoding goes on with the eager layers, and says so."""
         if not (self.fast and self.fast.supports(cache)):
             return 0.0
-        if not self.fast.is_warm(cache):
+        compiled = isinstance(self.fast, CompiledDecoder)
+        if not self.fast.is_warm(cache) or (verify and compiled and not self.fast.is_warm(cache, 2)):
             yield Notice(f"compiling the decode step for a {cache.capacity}-token cache "
                          "(once per cache size; cached on disk by torch.compile)")
         try:
-            return self.fast.warmup(cache)
+            return self.fast.warmup(cache, verify=True) if verify and compiled else self.fast.warmup(cache)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the optional fast path falls back

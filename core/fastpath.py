@@ -101,25 +101,28 @@ class _BlockHead:
 
 
 def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
-    """attn: CachedSelfAttention; x [B, hidden]; k/v_cache [B, kv_heads, S, D] (this layer,
-    written in place at `column` [1]); cos/sin [B, 1, 1, rotary dim] (None: no RoPE);
-    mask [B, S] bool."""
-    b, d = x.shape[0], attn.head_dim
-    rope = None if cos is None else (lambda t: apply_rotary(t, cos, sin))
-    q, k, v = attn.qkv(x.unsqueeze(1), rope, gemv)  # [B, heads, 1, D], [B, kv_heads, 1, D]
-    k_cache.index_copy_(2, column, k)
-    v_cache.index_copy_(2, column, v)
-    # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, D] against [B, kv_heads, S, D].
-    # Written as products summed in float32 rather than matrix products, so that inductor
-    # reads each cached key and value once in its stored dtype, converting in registers,
-    # instead of first writing a float32 copy of the whole bucket (on a GPU at batch 32,
-    # as many bytes again as the weights).
-    qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, 1, d).float()
-    scores = (qg * k_cache.unsqueeze(2).float()).sum(-1) * attn.scale  # [B, kv_heads, n_rep, S]
+    """attn: CachedSelfAttention; x [B, T, hidden] (T = 1 a step, K + 1 a speculative verify
+    pass); k/v_cache [B, kv_heads, S, D] (this layer, written in place at columns `column`
+    .. `column` + T - 1, column [1]); cos/sin [B, 1, T, rotary dim] (None: no RoPE); mask
+    [B, T, S] bool."""
+    b, t, d = x.shape[0], x.shape[1], attn.head_dim
+    rope = None if cos is None else (lambda y: apply_rotary(y, cos, sin))
+    q, k, v = attn.qkv(x, rope, gemv)  # [B, heads, T, D], [B, kv_heads, T, D]
+    at = column + torch.arange(t, device=column.device)
+    k_cache.index_copy_(2, at, k)
+    v_cache.index_copy_(2, at, v)
+    # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, T, D] against
+    # [B, kv_heads, S, D]. Written as products summed in float32 rather than matrix products,
+    # so that inductor reads each cached key and value once in its stored dtype, converting
+    # in registers, instead of first writing a float32 copy of the whole bucket (on a GPU at
+    # batch 32, as many bytes again as the weights).
+    qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, t, 1, d).float()
+    scores = (qg * k_cache[:, :, None, None].float()).sum(-1) * attn.scale  # [B, kv_heads, n_rep, T, S]
     if attn.softcap is not None:  # gemma2: tanh(s / cap) · cap before the mask
         scores = torch.tanh(scores / attn.softcap) * attn.softcap
-    probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf")), dim=-1)
-    out = (probs.unsqueeze(-1) * v_cache.unsqueeze(2).float()).sum(-2).to(x.dtype).view(b, attn.q_size)
+    probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, t, -1), float("-inf")), dim=-1)
+    out = (probs.unsqueeze(-1) * v_cache[:, :, None, None].float()).sum(-2)  # [B, kv_heads, n_rep, T, D]
+    out = out.to(x.dtype).permute(0, 3, 1, 2, 4).reshape(b, t, attn.q_size)
     return gemv(out, attn.o_proj)
 
 
@@ -130,11 +133,13 @@ def _mlp(mlp, x):
 
 
 def _moe(moe, x):
-    """A SparseMoE (experts.py) on x [B, hidden] with no host work: the router as eager routes,
+    """A SparseMoE (experts.py) on x [B, T, hidden] with no host work: the router as eager routes,
     each row's top_k experts' matrices gathered by index from the stacked weights (only those
     are read) and multiplied as one batched product, their outputs weighted and added in
     increasing expert order (eager's order, each cast to the activation dtype as it is added),
     then the shared expert where there is one."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # [B·T, hidden]
     weights, chosen = route(gemv(x, moe.gate), moe.top_k, moe.renormalize, moe.float_weights)
     chosen, order = torch.sort(chosen, dim=-1)
     weights = weights.gather(-1, order)
@@ -152,7 +157,7 @@ def _moe(moe, x):
         out = out + y[:, j].to(x.dtype)
     if moe.shared_expert is not None:
         out = out + torch.sigmoid(gemv(x, moe.shared_expert_gate)) * _mlp(moe.shared_expert, x)
-    return out
+    return out.view(shape)
 
 
 def _wired_block(block, x, k_cache, v_cache, column, cos, sin, mask):
@@ -210,32 +215,41 @@ class CompiledDecoder:
             return False  # blocks, or another float dtype than the model's (--kv-dtype): eager
         return (cache.batch == 1 or not self.cpu) and cache.capacity % CAPACITY_BUCKET == 0
 
-    def _key(self, cache: KVCache) -> tuple:
+    def _key(self, cache: KVCache, width: int = 1) -> tuple:
+        """What a new compile follows: a step (width 1) or a verify pass of several tokens
+        (width > 1: one compile serves every width, symbolic in it)."""
         if not self.cpu:
-            return (cache.batch == 1, cache.k.dtype)  # what a new compile follows there
-        return (cache.capacity, cache.k.dtype, cache.starts is not None)
+            return (cache.batch == 1, cache.k.dtype, width > 1)
+        return (cache.capacity, cache.k.dtype, cache.starts is not None, width > 1)
 
-    def is_warm(self, cache: KVCache) -> bool:
+    def is_warm(self, cache: KVCache, width: int = 1) -> bool:
         """Compiled for this cache's shape (recording a GPU graph is quick, not a compile)."""
-        return self._key(cache) in self.warm
+        return self._key(cache, width) in self.warm
 
-    def warmup(self, cache: KVCache) -> float:
+    def warmup(self, cache: KVCache, verify: bool = False) -> float:
         """Compile for this cache's shape (once per shape) and, on a GPU, record its graph
-        (once per cache); returns the seconds it took. Runs steps at the cache's last
-        column, which no token occupies yet."""
-        key = self._key(cache)
-        if key in self.warm and (self.graphs is None or self.graphs.find(cache)):
+        (once per cache); with `verify` also the pass of several tokens speculative decoding
+        verifies with (widths 2 and 3: the second marks the width symbolic, so K + 1 up to the
+        capacity needs no further compile). Returns the seconds it took. Runs at the cache's
+        last columns, which no token occupies yet (later tokens overwrite them; until then
+        they are masked)."""
+        widths = (1, 2, 3) if verify and cache.batch == 1 else (1,)
+        todo = [w for w in widths if not self.is_warm(cache, w) or (w == 1 and self.graphs and not self.graphs.find(cache))]
+        todo = [w for w in todo if w <= cache.capacity]
+        if not todo:
             return 0.0
         t = time.perf_counter()
         with torch.inference_mode():
             tables = self._tables(cache)
-            if self.graphs is not None:
-                self.graphs.capture(cache, tables)
-            else:
-                last = torch.full((1,), cache.capacity - 1, dtype=torch.long)
-                self.run(torch.zeros(1, 1, dtype=torch.long), last, cache.starts, cache)
+            for w in todo:
+                if self.graphs is not None and w == 1:
+                    self.graphs.capture(cache, tables)
+                else:
+                    last = torch.full((1,), cache.capacity - w, dtype=torch.long, device=cache.k.device)
+                    self.run(torch.zeros(cache.batch, w, dtype=torch.long, device=cache.k.device), last, cache.starts,
+                             cache)
         synchronize(cache.k.device)
-        self.warm.add(key)
+        self.warm.update(self._key(cache, w) for w in todo)
         seconds = time.perf_counter() - t
         self.compile_seconds += seconds
         return seconds
@@ -267,35 +281,56 @@ class CompiledDecoder:
         cache.length = column + 1
         return logits
 
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """T tokens of a batch-1 cache in one compiled pass (speculative decoding's verify, as
+        NativeDecoder.verify): token t is written at column cache.length + t and attends up to
+        it; logits [T, V]. Advances the cache by T (a caller rolls back by truncating it). On
+        a GPU each width's pass is recorded once per cache, as the step is."""
+        ids = tokens.reshape(1, -1).to(device=cache.k.device, dtype=torch.long)
+        column, width = cache.length, ids.shape[1]
+        if cache.batch != 1 or column + width > cache.capacity:
+            raise ValueError(f"verify runs a batch-1 cache with room for {width} tokens")
+        if self.graphs is not None:
+            logits = self.graphs.capture(cache, self._tables(cache), width)(ids, column)
+        else:
+            self._tables(cache)
+            logits = self.run(ids, torch.tensor([column]), cache.starts, cache)
+        cache.length = column + width
+        return logits.view(width, -1)
+
     def run(self, tokens: torch.Tensor, column: torch.Tensor, starts: torch.Tensor | None,
             cache: KVCache) -> torch.Tensor:
-        """One step, all on tensors (nothing on the host depends on the column, so that a
-        GPU can record it): tokens [B, 1] written at `column` [1] → logits [B, V]."""
-        model, b = self.model, tokens.shape[0]
+        """One pass, all on tensors (nothing on the host depends on the column, so that a
+        GPU can record it): tokens [B, T] written at columns `column` [1] .. column + T - 1 →
+        logits [B, V] (T = 1, a step) or [B, T, V]."""
+        model, (b, t) = self.model, tokens.shape
         cols = torch.arange(cache.capacity, device=column.device)
-        # Row r sees columns [starts[r], column]; its position is its distance from starts[r].
-        visible = (cols <= column).expand(b, -1)
-        positions = column.expand(b)
+        at = column + torch.arange(t, device=column.device)  # [T] the new tokens' columns
+        # Token j of row r sees columns [starts[r], column + j]; its position is its distance from starts[r].
+        visible = (cols.view(1, -1) <= at.view(-1, 1)).expand(b, -1, -1)  # [B, T, S]
+        positions = at.expand(b, -1)  # [B, T]
         if starts is not None:
-            visible = visible & (cols.unsqueeze(0) >= starts.unsqueeze(1))
-            positions = positions - starts
+            visible = visible & (cols.view(1, 1, -1) >= starts.view(-1, 1, 1))
+            positions = positions - starts.view(-1, 1)
         masks = {None: visible}
         for window in model.windows:
             if window is not None:
-                masks[window] = visible & (column - cols < window)
+                masks[window] = visible & (at.view(1, -1, 1) - cols.view(1, 1, -1) < window)
         if self.gpt2:
-            x = model.wte(tokens[:, 0]) + model.wpe.weight.index_select(0, positions)
-            cos = sin = None
+            x = model.wte(tokens) + model.wpe.weight.index_select(0, positions.reshape(-1)).view(b, t, -1)
             blocks, norm = model.h, model.ln_f
         else:
-            x = model.embed_tokens(tokens[:, 0])
+            x = model.embed_tokens(tokens)
             if getattr(model, "embed_scale", None) is not None:  # gemma: sqrt(hidden) in the activation dtype
                 x = x * model.embed_scale
-            tables = {local: (t.cos.index_select(0, positions).view(b, 1, 1, -1),
-                              t.sin.index_select(0, positions).view(b, 1, 1, -1)) for local, t in self._ropes().items()}
+            flat = positions.reshape(-1)
+            tables = {local: (r.cos.index_select(0, flat).view(b, 1, t, -1), r.sin.index_select(0, flat).view(b, 1, t, -1))
+                      for local, r in self._ropes().items()}
             blocks, norm = model.layers, model.norm
         for i, block in enumerate(blocks):
             window = (block.attn if self.gpt2 else block.self_attn).window
             cos, sin = (None, None) if self.gpt2 else tables[getattr(block, "local_rope", False)]
             x = self.block(block, x, cache.k[i], cache.v[i], column, cos, sin, masks[window])
-        return model.finish_logits(self.head(norm, self.head_linear, x))
+        logits = model.finish_logits(self.head(norm, self.head_linear, x))
+        return logits[:, 0] if t == 1 else logits

@@ -621,22 +621,25 @@ def verify(sampler, row: int, logits: torch.Tensor, guesses: list[int],
     return guesses + [int(sampler.draw(row, p))], k
 
 
-def native_verifier(engine, cache: KVCache, count: int):
-    """The engine's native step when it runs the target on this cache and `count` more
-    columns fit (NativeDecoder.verify), else None (the eager layers verify)."""
+def verifier(engine, cache: KVCache, count: int):
+    """The engine's fast step when it runs the target on this cache and verifies `count`
+    more tokens in one pass: the native step (NativeDecoder.verify) or the compiled one once
+    its pass of several tokens is compiled (CompiledDecoder.verify; Engine warms it for a
+    speculative request), else None (the eager layers verify)."""
     from .native_decode import NativeDecoder
 
     fast = engine.fast
-    if isinstance(fast, NativeDecoder) and engine._fast_ready(cache) and cache.length + count <= cache.capacity:
-        return fast
-    return None
+    if fast is None or not engine._fast_ready(cache) or cache.length + count > cache.capacity:
+        return None
+    return fast if isinstance(fast, NativeDecoder) or fast.is_warm(cache, count) else None
 
 
 def verify_logits(engine, cache: KVCache, ids: list[int]) -> torch.Tensor:
     """The target's logits [len(ids), V] at ids, fed at the cache's end in ONE pass: the
     native step's virtual rows where it runs the target (bit for bit its sequential steps,
-    so greedy output equals plain greedy on quantized models too), else the eager layers."""
-    fast = native_verifier(engine, cache, len(ids))
+    so greedy output equals plain greedy on quantized models too), the compiled pass where
+    that runs it, else the eager layers."""
+    fast = verifier(engine, cache, len(ids))
     if fast is not None:
         return fast.verify(torch.tensor(ids, dtype=torch.int64), cache)
     return engine.model(torch.tensor([ids], device=engine.device), cache, all_logits=True)[0]

@@ -59,6 +59,47 @@ def test_compiled_step_logits_equal_eager_logits(model_dirs, family):
     assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "qwen3_moe", "gpt2"])
+def test_compiled_verify_pass_equals_eager(model_dirs, family):
+    """Several tokens in one compiled pass (speculative decoding's verify): the logits of
+    every position and the keys written are eager's, at widths 1..5; the pass compiles for
+    widths 2 and 3 and the others reuse it (symbolic in the width)."""
+    m = load(str(model_dirs(family)), device="cpu", dtype="float32")
+    step = CompiledDecoder(m.model)
+    ids = torch.tensor([list(range(3, 20))])
+    a = KVCache(m.config, 1, CAPACITY_BUCKET, torch.float32, "cpu")
+    b = KVCache(m.config, 1, CAPACITY_BUCKET, torch.float32, "cpu")
+    with torch.inference_mode():
+        m.model(ids, a)
+        m.model(ids, b)
+        step.warmup(b, verify=True)
+        assert step.is_warm(b) and step.is_warm(b, 4)
+        for width in (1, 2, 5, 3, 4):
+            new = list(range(40 + width, 40 + 2 * width))
+            la = m.model(torch.tensor([new]), a, all_logits=True)[0]
+            lb = step.verify(torch.tensor(new), b)
+            assert lb.shape == la.shape and (la - lb).abs().max() < 1e-4, width
+            assert a.length == b.length
+    assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)
+
+
+def test_speculation_verifies_through_the_compiled_pass(model_dirs, monkeypatch):
+    """With --compile (no native step), --lookup's verify passes run the compiled pass, and
+    greedy output is plain greedy's."""
+    m = load(str(model_dirs("llama3")), device="cpu", dtype="float32")
+    calls = []
+    original = CompiledDecoder.verify
+    monkeypatch.setattr(CompiledDecoder, "verify", lambda self, t, c: calls.append(t.numel()) or original(self, t, c))
+    ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repeats itself: lookup proposes
+    settings = GenerationSettings(max_new_tokens=24, ignore_eos=True)
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
+    plain = list(fast.generate(Request(ids=ids), settings))[-1].result
+    looked = list(fast.generate(Request(ids=ids), GenerationSettings(max_new_tokens=24, ignore_eos=True, lookup=True,
+                                                                    draft_tokens=4), reuse_cache=False))[-1].result
+    assert looked.token_ids == plain.token_ids and looked.decode_path == "compiled"
+    assert calls and max(calls) > 1 and looked.speculation["proposals"] > 0
+
+
 def test_engine_decodes_gemma3_compiled(model_dirs):
     m = load(str(model_dirs("gemma3")), device="cpu", dtype="float32")
     settings = GenerationSettings(max_new_tokens=24, ignore_eos=True)
