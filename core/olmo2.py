@@ -11,8 +11,11 @@ How it differs from llama (llama.py), as transformers 5's modeling_olmo2.py comp
 * its RMSNorm scales in float32 and casts after (llama's casts, then scales);
 * `attention_bias` puts biases on q, k, v and o; the MLP never has one.
 
-Tensor parallelism is refused: a norm over the whole q (or k) projection needs the squares of
-every head, which a rank holding some heads would have to all-reduce first.
+Tensor parallelism shards as llama does (heads, MLP rows, vocabulary rows of an untied head);
+a norm over the whole q (or k) projection needs the squares of every head, so each rank sums
+the squares of its heads and the sums are all-reduced (one number per token and norm) before
+it normalizes its part with its slice of the norm's weight (`ShardedRMSNorm`); the post-norms
+act on the all-reduced outputs.
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
-from .errors import UnsupportedModelError
 from .family import Family, attention_parameters
 from .fields import Fields
 from .layers import GatedMLP, RMSNorm
 from .llama import LlamaModel
-from .model import Target, fused_rows
+from .model import Source, Target
 from .parallel import SINGLE, Shard
 
 
@@ -41,14 +43,37 @@ class Olmo2RMSNorm(RMSNorm):
         return (self.weight * x).to(dtype)
 
 
-class Olmo2Attention(CachedSelfAttention):
-    """The shared attention with q/k norms over the whole projections, before the head split."""
+class ShardedRMSNorm(Olmo2RMSNorm):
+    """Olmo2RMSNorm over a projection whose `total` features are split across tensor-parallel
+    ranks (this rank holds `size` of them and that slice of the weight): the mean of the
+    squares is the all-reduced sum of every rank's squares over `total`. One rank: exactly
+    Olmo2RMSNorm."""
 
-    def __init__(self, c: ModelConfig, layer: int):
-        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qkv_bias,
-                         c.o_bias, scale=c.head_dim**-0.5, layer=layer, window=None)
-        self.q_norm = Olmo2RMSNorm(self.q_size, c.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(self.kv_size, c.rms_norm_eps)
+    def __init__(self, size: int, total: int, eps: float, shard: Shard):
+        super().__init__(size, eps)
+        self.total, self.shard = total, shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shard.active:
+            return super().forward(x)
+        dtype = x.dtype
+        x = x.float()
+        squares = self.shard.all_reduce(x.pow(2).sum(-1, keepdim=True))
+        x = x * torch.rsqrt(squares / self.total + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+class Olmo2Attention(CachedSelfAttention):
+    """The shared attention with q/k norms over the whole projections, before the head split
+    (under tensor parallelism: this rank's heads, the norms' squares all-reduced)."""
+
+    def __init__(self, c: ModelConfig, layer: int, shard: Shard = SINGLE):
+        heads = shard.part(c.num_attention_heads, "num_attention_heads")[1]
+        kv_heads = shard.part(c.num_key_value_heads, "num_key_value_heads")[1]
+        super().__init__(c.hidden_size, heads, kv_heads, c.head_dim, c.qkv_bias, c.o_bias, scale=c.head_dim**-0.5,
+                         layer=layer, window=None, shard=shard)
+        self.q_norm = ShardedRMSNorm(self.q_size, c.num_attention_heads * c.head_dim, c.rms_norm_eps, shard)
+        self.k_norm = ShardedRMSNorm(self.kv_size, c.num_key_value_heads * c.head_dim, c.rms_norm_eps, shard)
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = self.q_norm(q), self.k_norm(k)
@@ -60,8 +85,9 @@ class Block(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: Shard = SINGLE):
         super().__init__()
         c = config
-        self.self_attn = Olmo2Attention(c, layer)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False)
+        self.self_attn = Olmo2Attention(c, layer, shard)
+        intermediate = shard.part(c.intermediate_size, "intermediate_size")[1]
+        self.mlp = GatedMLP(c.hidden_size, intermediate, c.hidden_act, False, shard=shard)
         self.post_attention_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_feedforward_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -80,39 +106,27 @@ class Olmo2Model(LlamaModel):
     Block = Block
     Norm = Olmo2RMSNorm
 
-    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
-        if shard.active:
-            raise UnsupportedModelError("tensor parallelism (--tp) is not implemented for olmo2: its q/k norms span "
-                                        "every head of the projection")
-        super().__init__(config, shard)
-
     def features(self) -> frozenset[str]:
         c = self.config
-        flags = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias}
+        flags = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias, "tp": self.shard.active}
         return frozenset({"block:post_norm", "qk_norm:full", f"act:{c.hidden_act}"} | {k for k, v in flags.items() if v})
 
     def targets(self) -> dict[str, Target]:
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        i = c.intermediate_size
-        t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight"),
-                                "model.norm.weight": Target("norm.weight"),
-                                # a tied head may be stored under either name; both fill the embedding
-                                "lm_head.weight": Target("embed_tokens.weight" if c.tie_word_embeddings
-                                                         else "lm_head.weight")}
+        """llama's names, less the pre-norms, plus the post-norms and the q/k norms (sliced as
+        this rank's heads of the projection they normalize)."""
+        c, d = self.config, self.config.head_dim
+        t = {name: target for name, target in super().targets().items()
+             if not name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))}
+        h0, hn = self.shard.part(c.num_attention_heads, "num_attention_heads")
+        k0, kn = self.shard.part(c.num_key_value_heads, "num_key_value_heads")
         for n in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{n}", f"layers.{n}"
-            t.update(fused_rows(f"{hf}.self_attn", f"{ours}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                                ((0, q, q), (0, kv, kv), (0, kv, kv)), c.qkv_bias))
-            t[f"{hf}.self_attn.o_proj.weight"] = Target(f"{ours}.self_attn.o_proj.weight")
-            if c.o_bias:
-                t[f"{hf}.self_attn.o_proj.bias"] = Target(f"{ours}.self_attn.o_proj.bias")
-            for leaf in ("self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
-                         "post_feedforward_layernorm"):
+            for leaf, (start, size, total) in (("q_norm", (h0 * d, hn * d, c.num_attention_heads * d)),
+                                               ("k_norm", (k0 * d, kn * d, c.num_key_value_heads * d))):
+                source = Source(0, start, start + size, total) if size != total else None
+                t[f"{hf}.self_attn.{leaf}.weight"] = Target(f"{ours}.self_attn.{leaf}.weight", source=source)
+            for leaf in ("post_attention_layernorm", "post_feedforward_layernorm"):
                 t[f"{hf}.{leaf}.weight"] = Target(f"{ours}.{leaf}.weight")
-            t.update(fused_rows(f"{hf}.mlp", f"{ours}.mlp.gate_up_proj", ("gate_proj", "up_proj"),
-                                ((0, i, i), (0, i, i)), False))
-            t[f"{hf}.mlp.down_proj.weight"] = Target(f"{ours}.mlp.down_proj.weight")
         return t
 
 

@@ -19,7 +19,7 @@ from test_models import hf_model, prompt_ids
 from twice.core.cache import KVCache
 from twice.core.config import config_from_dict
 from twice.core.engine import Engine, GenerationSettings, Request
-from twice.core.errors import ConfigError, UnsupportedModelError
+from twice.core.errors import ConfigError
 from twice.weights.load import load
 
 torch.set_grad_enabled(False)
@@ -155,11 +155,27 @@ def test_quantize_q8_0_runs(olmo2_dirs, capsys):
     assert json.loads(r.out)["generated_tokens"] == 4
 
 
-def test_tensor_parallelism_is_refused_in_one_line(olmo2_dirs):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_its_heads_of_the_qk_norms(olmo2_dirs, rank):
+    """Each rank's q/k norm weights are its heads' slice of the checkpoint's (the squares are
+    all-reduced at run time: tests/test_parallel.py runs two ranks), its projections its heads'
+    rows and MLP rows; the post-norms whole."""
     from twice.core.parallel import Shard
 
-    with pytest.raises(UnsupportedModelError, match=r"^tensor parallelism \(--tp\) is not implemented for olmo2"):
-        load(str(olmo2_dirs("norms")), device="cpu", shard=Shard(rank=0, world=2))
+    folder = olmo2_dirs("bias")
+    whole = load(str(folder), device="cpu", dtype="float32").model
+    part = load(str(folder), device="cpu", dtype="float32", shard=Shard(rank=rank, world=2)).model
+    assert "tp" in part.features()
+    a, b = whole.layers[1], part.layers[1]
+    for name in ("q_norm", "k_norm"):
+        full = getattr(a.self_attn, name).weight
+        half = full.numel() // 2
+        assert torch.equal(getattr(b.self_attn, name).weight, full[rank * half:(rank + 1) * half])
+    assert torch.equal(b.post_feedforward_layernorm.weight, a.post_feedforward_layernorm.weight)
+    q = a.self_attn.q_size // 2
+    assert torch.equal(b.self_attn.qkv_proj.weight[:q], a.self_attn.qkv_proj.weight[rank * q:(rank + 1) * q])
+    assert torch.equal(b.self_attn.qkv_proj.bias[:q], a.self_attn.qkv_proj.bias[rank * q:(rank + 1) * q])
+    assert b.mlp.gate_up_proj.weight.shape[0] * 2 == a.mlp.gate_up_proj.weight.shape[0]
 
 
 def test_bad_attention_bias_is_one_line(olmo2_dirs, capsys, tmp_path):

@@ -67,9 +67,10 @@ def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
-# a mixture (each expert's rows split, the router and shared-expert gate replicated) and gemma2
-# (sandwich norms, soft-capping); phi3 and olmo2 refuse --tp (their family tests)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2"])
+# a mixture (each expert's rows split, the router and shared-expert gate replicated), gemma2
+# (sandwich norms, soft-capping) and olmo2 (q/k norms over the whole projection: their squares
+# all-reduced); phi3 refuses --tp (its family tests)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2", "olmo2"])
 def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     folder = model_dirs(family)
     ids = list(range(5, 25))
