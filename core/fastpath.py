@@ -234,8 +234,8 @@ class CompiledDecoder:
         last columns, which no token occupies yet (later tokens overwrite them; until then
         they are masked)."""
         widths = (1, 2, 3) if verify and cache.batch == 1 else (1,)
-        todo = [w for w in widths if not self.is_warm(cache, w) or (w == 1 and self.graphs and not self.graphs.find(cache))]
-        todo = [w for w in todo if w <= cache.capacity]
+        unrecorded = self.graphs is not None and self.graphs.find(cache) is None
+        todo = [w for w in widths if w <= cache.capacity and (not self.is_warm(cache, w) or (w == 1 and unrecorded))]
         if not todo:
             return 0.0
         t = time.perf_counter()
@@ -325,8 +325,8 @@ class CompiledDecoder:
             if getattr(model, "embed_scale", None) is not None:  # gemma: sqrt(hidden) in the activation dtype
                 x = x * model.embed_scale
             flat = positions.reshape(-1)
-            tables = {local: (r.cos.index_select(0, flat).view(b, 1, t, -1), r.sin.index_select(0, flat).view(b, 1, t, -1))
-                      for local, r in self._ropes().items()}
+            tables = {local: (r.cos.index_select(0, flat).view(b, 1, t, -1),
+                              r.sin.index_select(0, flat).view(b, 1, t, -1)) for local, r in self._ropes().items()}
             blocks, norm = model.layers, model.norm
         for i, block in enumerate(blocks):
             window = (block.attn if self.gpt2 else block.self_attn).window

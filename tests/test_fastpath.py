@@ -212,6 +212,27 @@ def replaying_recorder(recorded: list):
     return record
 
 
+def test_recorded_verify_passes(model_dirs):
+    """As on a GPU: --lookup's verify passes are recorded once per cache and width (the
+    recording simulated on the CPU), replayed with new tokens at new columns, and greedy output
+    is plain greedy's."""
+    from twice.core.cudagraph import CapturedSteps
+
+    m = load(str(model_dirs("llama3")), device="cpu", dtype="float32")
+    fast = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False)
+    recorded = []
+    fast.fast.cpu = False
+    fast.fast.graphs = CapturedSteps(fast.fast.run, replaying_recorder(recorded))
+    ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    plain = list(Engine(m.model, m.tokenizer, m.eos_token_ids).generate(
+        Request(ids=ids), GenerationSettings(max_new_tokens=24, ignore_eos=True)))[-1].result
+    looked = list(fast.generate(Request(ids=ids), GenerationSettings(max_new_tokens=24, ignore_eos=True, lookup=True,
+                                                                    draft_tokens=4)))[-1].result
+    assert looked.token_ids == plain.token_ids and looked.speculation["proposals"] > 0
+    widths = sorted(step.width for step in fast.fast.graphs.steps)
+    assert widths[0] == 1 and widths[-1] > 1 and len(widths) == len(set(widths)) == len(recorded)
+
+
 @pytest.mark.parametrize("family", ["llama3", "mistral", "gpt2"])
 def test_recorded_steps_through_the_engine(model_dirs, family):
     """The engine as it runs on a GPU (any batch through the compiled step, one recorded
