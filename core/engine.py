@@ -285,7 +285,7 @@ class Engine:
                  kv_dtype: str | None = None):
         self.model = model
         # A draft model for speculative decoding (speculative.Draft: its own KV cache).
-        self.draft = speculative.Draft(draft, native=native) if draft is not None else None
+        self.draft = speculative.Draft(draft, native=native, compile=compile) if draft is not None else None
         # The decode step: native (one C call per step, llama family on the CPU, any batch,
         # used wherever it applies), else compiled when asked (fastpath.py, batch 1), else
         # None = eager everywhere. (Neither under tensor parallelism: its all-reduces run in the
@@ -360,6 +360,8 @@ class Engine:
         self.cache.grow(self._capacity(needed))
         speculator = self._speculator(settings)
         compile_seconds = yield from self._warm(self.cache, verify=speculator is not None)
+        if speculator is not None and isinstance(speculator.proposer, speculative.Draft):
+            compile_seconds += yield from self._warm_draft(speculator.proposer, needed)
         start += compile_seconds  # compiling is reported on its own, never as TTFT
         row = _Row(0, ids, settings, max_new, self.tokenizer.stream(ids), tokenize_seconds, reused)
         row.compile_seconds = compile_seconds
@@ -481,6 +483,23 @@ class Engine:
             cache.v[:, i, :, first:width] = own.v[:, 0, :, : len(ids)]
         cache.length = width
         return torch.cat(last)
+
+    def _warm_draft(self, draft: speculative.Draft, needed: int) -> Iterator[Notice]:
+        """A compiled draft made ready for the request (its cache, its compile); returns the
+        seconds. Where it cannot be built, the draft steps with its eager layers, and says so."""
+        if draft.ready(needed):
+            return 0.0
+        yield Notice("compiling the draft's decode step (once per cache size; cached on disk by torch.compile)")
+        try:
+            return draft.warm(needed)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the optional fast path falls back
+            draft.eager()
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            yield Notice(f"the draft's compiled step is unavailable here ({type(e).__name__}: {reason}); "
+                         "drafting with its eager layers")
+            return 0.0
 
     def _warm(self, cache: KVCache, verify: bool = False) -> Iterator[Notice]:
         """Make the fast decode step ready for `cache` (compile it, record its GPU graph; with

@@ -472,12 +472,18 @@ class Draft:
     name = "draft"
     deterministic = False
 
-    def __init__(self, model, native: bool = True):
+    def __init__(self, model, native: bool = True, compile: bool = False):
+        from .fastpath import CompiledDecoder
+        from .fastpath import supported as compiled_supported
         from .native_decode import NativeDecoder
         from .native_decode import supported as native_supported
 
         self.model = model
-        self.fast = NativeDecoder(model) if native and native_supported(model) else None
+        # Its fast step as the target's is chosen: native, else compiled when asked (a GPU's
+        # draft: eager steps there are launch-bound, slower than the target's recorded ones).
+        self.fast = (NativeDecoder(model) if native and native_supported(model)
+                     else CompiledDecoder(model) if compile and compiled_supported(model) else None)
+        self.compiled = isinstance(self.fast, CompiledDecoder)
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.context = model.config.max_position_embeddings
@@ -500,7 +506,10 @@ class Draft:
         cache, never touching the draft's own cache): what a proposal costs before the draft
         has run at all, so that a draft that cannot pay is never prefilled."""
         if self.measured_step is None:
-            cache = KVCache(self.model.config, 1, 8, self.dtype, self.device, kv_heads=self.model.kv_heads)
+            # a compiled draft: as long as its own cache, so the same compiled step (Engine warmed it)
+            size = self.cache.capacity if self.compiled and self.cache is not None else self._bucket(8)
+            cache = KVCache(self.model.config, 1, size, self.dtype, self.device, kv_heads=self.model.kv_heads)
+            self._warm(cache)
             times = []
             for _ in range(2):
                 t = time.perf_counter()
@@ -509,13 +518,46 @@ class Draft:
             self.measured_step = min(times)
         return self.measured_step
 
+    def _bucket(self, needed: int) -> int:
+        """Columns for `needed`: steps of 64, or the compiled step's buckets; at most the draft's context."""
+        from .fastpath import CAPACITY_BUCKET
+
+        step = CAPACITY_BUCKET if self.compiled else 64
+        return min(-(-needed // step) * step, self.context)
+
+    def _warm(self, cache: KVCache) -> None:
+        """A compiled draft compiled for this cache (steps and passes of several tokens)."""
+        if self.compiled and self.fast.supports(cache):
+            self.fast.warmup(cache, verify=True)
+
+    def ready(self, needed: int) -> bool:
+        """Its cache holds `needed` tokens and more guesses, and its step is compiled for it."""
+        c = self.cache
+        return not self.compiled or (c is not None and self._bucket(needed + MAX_DRAFT_TOKENS) <= c.capacity
+                                     and self.fast.is_warm(c) and self.fast.is_warm(c, 2))
+
+    def warm(self, needed: int) -> float:
+        """A compiled draft's cache made for `needed` tokens (and a pass of guesses after them)
+        and its step compiled for it, before the request's clock starts (Engine reports compile
+        time on its own); returns the seconds."""
+        if not self.compiled:
+            return 0.0
+        t = time.perf_counter()
+        self._room(needed + MAX_DRAFT_TOKENS)
+        return time.perf_counter() - t
+
+    def eager(self) -> None:
+        """Step with the eager layers from now on (the compiled step could not be built)."""
+        self.fast, self.compiled = None, False
+
     def _room(self, needed: int) -> int:
-        """Columns the cache can have for `needed` (grown in steps of 64, at most the draft's context)."""
-        want = min(-(-needed // 64) * 64, self.context)
+        """Columns the cache can have for `needed` (at most the draft's context)."""
+        want = self._bucket(needed)
         if self.cache is None:
             self.cache = KVCache(self.model.config, 1, want, self.dtype, self.device, kv_heads=self.model.kv_heads)
         else:
             self.cache.grow(want)
+        self._warm(self.cache)
         return self.cache.capacity
 
     def _logits(self, tokens: list[int], cache: KVCache | None = None) -> torch.Tensor:
@@ -525,10 +567,14 @@ class Draft:
         layers' bit for bit: the target verifies them)."""
         cache = cache if cache is not None else self.cache
         fast = self.fast if self.fast is not None and self.fast.supports(cache) else None
+        if fast is not None and self.compiled and not fast.is_warm(cache, len(tokens)):
+            fast = None  # a shape it was not compiled for: eager, never a compile mid-request
         if fast is not None and len(tokens) == 1:
             out = fast(torch.tensor([tokens], device=self.device), cache)
         elif fast is not None and cache.length + len(tokens) <= cache.capacity:
-            out = fast.prefill(torch.tensor(tokens, dtype=torch.int64), cache)
+            # several tokens: the native step's virtual rows, or one compiled pass
+            out = (fast.verify(torch.tensor(tokens, dtype=torch.int64), cache)[-1:] if self.compiled
+                   else fast.prefill(torch.tensor(tokens, dtype=torch.int64), cache))
         else:
             out = self.model(torch.tensor([tokens], device=self.device), cache)
         return out[0].float()

@@ -212,6 +212,30 @@ def replaying_recorder(recorded: list):
     return record
 
 
+def test_a_draft_steps_compiled_too(model_dirs, tmp_path, tokenizer):
+    """--draft with --compile (no native step): the draft gets the compiled step as well, made
+    ready before the request's clock (compile time apart), its catch-ups one compiled pass; the
+    target's greedy tokens are plain greedy's, with a draft that agrees (itself) and one that
+    does not."""
+    import tiny
+
+    m = load(str(model_dirs("llama3")), device="cpu", dtype="float32")
+    other = load(str(tiny.make_model(tmp_path / "draft", "llama3", tokenizer, seed=1)), device="cpu", dtype="float32")
+    settings = GenerationSettings(max_new_tokens=20, ignore_eos=True, draft_tokens=3)
+    ids = list(range(7, 31))
+    plain = list(Engine(m.model, m.tokenizer, m.eos_token_ids).generate(Request(ids=ids), settings))[-1].result
+    for draft in (m.model, other.model):
+        engine = Engine(m.model, m.tokenizer, m.eos_token_ids, compile=True, native=False, draft=draft)
+        assert engine.draft.compiled
+        r = list(engine.generate(Request(ids=ids), settings))[-1].result
+        assert r.token_ids == plain.token_ids and r.decode_path == "compiled"
+        assert r.speculation["proposals"] > 0 and r.compile_seconds > 0
+        assert engine.draft.ready(len(ids) + 20)
+        again = list(engine.generate(Request(ids=ids), settings, reuse_cache=False))[-1].result
+        assert again.token_ids == plain.token_ids and again.compile_seconds == 0
+    assert r.speculation["accepted"] < r.speculation["proposals"]  # the other draft disagrees at times
+
+
 def test_recorded_verify_passes(model_dirs):
     """As on a GPU: --lookup's verify passes are recorded once per cache and width (the
     recording simulated on the CPU), replayed with new tokens at new columns, and greedy output
