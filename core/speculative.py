@@ -507,7 +507,7 @@ class Draft:
         has run at all, so that a draft that cannot pay is never prefilled."""
         if self.measured_step is None:
             # a compiled draft: as long as its own cache, so the same compiled step (Engine warmed it)
-            size = self.cache.capacity if self.compiled and self.cache is not None else self._bucket(8)
+            size = (self.cache.capacity if self.cache is not None else self._bucket(8)) if self.compiled else 8
             cache = KVCache(self.model.config, 1, size, self.dtype, self.device, kv_heads=self.model.kv_heads)
             self._warm(cache)
             times = []
@@ -544,6 +544,7 @@ class Draft:
             return 0.0
         t = time.perf_counter()
         self._room(needed + MAX_DRAFT_TOKENS)
+        self._warm(self.cache)
         return time.perf_counter() - t
 
     def eager(self) -> None:
@@ -557,7 +558,6 @@ class Draft:
             self.cache = KVCache(self.model.config, 1, want, self.dtype, self.device, kv_heads=self.model.kv_heads)
         else:
             self.cache.grow(want)
-        self._warm(self.cache)
         return self.cache.capacity
 
     def _logits(self, tokens: list[int], cache: KVCache | None = None) -> torch.Tensor:
