@@ -52,7 +52,7 @@ from .config import ModelConfig, layer_types_from, normalize_rope, size_field
 from .errors import TwiceError, UnsupportedModelError
 from .family import Family, attention_parameters
 from .fields import Fields, show
-from .layers import GatedMLP, OffsetRMSNorm
+from .layers import GatedMLP, OffsetRMSNorm, WiredBlock
 from .llama import LlamaModel
 from .model import Target
 from .parallel import SINGLE, Shard
@@ -67,7 +67,7 @@ class GemmaOptions:
     local_rope: dict | None  # gemma3: the sliding layers' RoPE parameters (normalized)
 
 
-class Block(torch.nn.Module):
+class Block(WiredBlock):
     def __init__(self, config: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         c, o = config, config.options
@@ -88,11 +88,7 @@ class Block(torch.nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.local_rope = o.local_rope is not None and c.layer_types[layer] == "sliding_attention"
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
-
     def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
-        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
         x = x + self.post_attention_layernorm(attention(self.input_layernorm(x)))
         return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
 

@@ -32,6 +32,18 @@ class ReducedLinear(Linear):
         return y + self.bias if self.bias is not None else y
 
 
+class WiredBlock(torch.nn.Module):
+    """A transformer block that states once how it wires its attention (`self_attn`) and MLP
+    (`mlp`) together: `wire(x, attention, mlp)` with callables. The eager forward passes the
+    cached attention and the block's own MLP; the compiled step (fastpath.py) passes its own."""
+
+    def forward(self, x: torch.Tensor, step, cache, rope) -> torch.Tensor:
+        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
+
+    def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class Embedding(torch.nn.Embedding):
     def reset_parameters(self) -> None:
         pass

@@ -14,13 +14,13 @@ from .cache import KVCache
 from .config import ModelConfig, layer_types_from, size_field
 from .family import Family, attention_parameters
 from .fields import Fields
-from .layers import Embedding, GatedMLP, Linear, RMSNorm
+from .layers import Embedding, GatedMLP, Linear, RMSNorm, WiredBlock
 from .model import CausalLM, Source, Target, columns, fused_rows
 from .parallel import SINGLE, Shard
 from .rope import RotaryTables, apply_rotary
 
 
-class Block(torch.nn.Module):
+class Block(WiredBlock):
     def __init__(self, config: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         c = config
@@ -40,11 +40,7 @@ class Block(torch.nn.Module):
         intermediate = shard.part(c.intermediate_size, "intermediate_size")[1]
         return GatedMLP(c.hidden_size, intermediate, c.hidden_act, c.mlp_bias, shard=shard)
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
-
     def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
-        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
         x = x + attention(self.input_layernorm(x))
         return x + mlp(self.post_attention_layernorm(x))
 

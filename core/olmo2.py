@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention import CachedSelfAttention, Step
-from .cache import KVCache
+from .attention import CachedSelfAttention
 from .config import ModelConfig
 from .family import Family, attention_parameters
 from .fields import Fields
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP, RMSNorm, WiredBlock
 from .llama import LlamaModel
 from .model import Source, Target
 from .parallel import SINGLE, Shard
@@ -39,8 +38,11 @@ class Olmo2RMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt(self.mean_square(x) + self.eps)
         return (self.weight * x).to(dtype)
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).mean(-1, keepdim=True)
 
 
 class ShardedRMSNorm(Olmo2RMSNorm):
@@ -53,14 +55,10 @@ class ShardedRMSNorm(Olmo2RMSNorm):
         super().__init__(size, eps)
         self.total, self.shard = total, shard
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shard.active:
-            return super().forward(x)
-        dtype = x.dtype
-        x = x.float()
-        squares = self.shard.all_reduce(x.pow(2).sum(-1, keepdim=True))
-        x = x * torch.rsqrt(squares / self.total + self.eps)
-        return (self.weight * x).to(dtype)
+            return super().mean_square(x)
+        return self.shard.all_reduce(x.pow(2).sum(-1, keepdim=True)) / self.total
 
 
 class Olmo2Attention(CachedSelfAttention):
@@ -81,7 +79,7 @@ class Olmo2Attention(CachedSelfAttention):
                 k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2))
 
 
-class Block(torch.nn.Module):
+class Block(WiredBlock):
     def __init__(self, config: ModelConfig, layer: int, shard: Shard = SINGLE):
         super().__init__()
         c = config
@@ -91,11 +89,7 @@ class Block(torch.nn.Module):
         self.post_attention_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_feedforward_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope) -> torch.Tensor:
-        return self.wire(x, lambda h: self.self_attn(h, step, cache, rope), self.mlp)
-
     def wire(self, x: torch.Tensor, attention, mlp) -> torch.Tensor:
-        """The block around its attention and MLP (callables: the eager or the compiled step's)."""
         x = x + self.post_attention_layernorm(attention(x))
         return x + self.post_feedforward_layernorm(mlp(x))
 
