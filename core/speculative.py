@@ -531,10 +531,14 @@ class Draft:
             self.fast.warmup(cache, verify=True)
 
     def ready(self, needed: int) -> bool:
-        """Its cache holds `needed` tokens and more guesses, and its step is compiled for it."""
+        """Its cache holds `needed` tokens and more guesses, and its step is compiled for it (or
+        cannot serve it: a cache cut to a context that is no whole number of buckets)."""
         c = self.cache
-        return not self.compiled or (c is not None and self._bucket(needed + MAX_DRAFT_TOKENS) <= c.capacity
-                                     and self.fast.is_warm(c) and self.fast.is_warm(c, 2))
+        if not self.compiled:
+            return True
+        if c is None or self._bucket(needed + MAX_DRAFT_TOKENS) > c.capacity:
+            return False
+        return not self.fast.supports(c) or (self.fast.is_warm(c) and self.fast.is_warm(c, 2))
 
     def warm(self, needed: int) -> float:
         """A compiled draft's cache made for `needed` tokens (and a pass of guesses after them)
