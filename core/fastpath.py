@@ -28,7 +28,7 @@ import time
 import torch
 
 from . import kernels
-from .cache import KVCache
+from .cache import KVCache, offset_keys_of
 from .cudagraph import CapturedSteps
 from .device import synchronize
 from .experts import SparseMoE, route
@@ -100,28 +100,56 @@ class _BlockHead:
         self.weight, self.bias = weight, None
 
 
-def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask):
+def _encode(fmt, x: torch.Tensor) -> torch.Tensor:
+    """Values [..., D] as a block cache stores them (KVCache.encode's codec, bit for bit)."""
+    blocks = fmt.codec.quantize_blocks(x.to(torch.float32).reshape(-1, fmt.block))
+    return blocks.reshape(*x.shape[:-1], -1)
+
+
+def _decode(fmt, stored: torch.Tensor, d: int) -> torch.Tensor:
+    """Stored blocks [..., bytes] → float32 values [..., D] (KVCache.decode)."""
+    return fmt.codec.dequantize_blocks(stored.reshape(-1, fmt.block_bytes)).reshape(*stored.shape[:-1], d)
+
+
+def _stored(store, k, v, k_cache, v_cache, at):
+    """Write this pass's keys and values at columns `at` of a layer's cache and return every
+    cached key and value as floats [B, kv_heads, S, D]. `store`: None for a float cache (of the
+    model's dtype or another), else (its KVFormat, the layer's key offset [kv_heads, D] or None):
+    blocks written as KVCache.write writes them (keys minus the offset), read back with the
+    offset added, as KVCache.decode_keys does."""
+    if store is None:
+        k_cache.index_copy_(2, at, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, at, v.to(v_cache.dtype))
+        return k_cache.float(), v_cache.float()
+    fmt, offset = store
+    shift = None if offset is None else offset.view(1, *offset.shape[:1], 1, -1)
+    k_cache.index_copy_(2, at, _encode(fmt, k if shift is None else k.to(torch.float32) - shift))
+    v_cache.index_copy_(2, at, _encode(fmt, v))
+    keys, values = _decode(fmt, k_cache, k.shape[-1]), _decode(fmt, v_cache, v.shape[-1])
+    return (keys if shift is None else keys + shift), values
+
+
+def _attention(attn, x, k_cache, v_cache, column, cos, sin, mask, store=None):
     """attn: CachedSelfAttention; x [B, T, hidden] (T = 1 a step, K + 1 a speculative verify
     pass); k/v_cache [B, kv_heads, S, D] (this layer, written in place at columns `column`
-    .. `column` + T - 1, column [1]); cos/sin [B, 1, T, rotary dim] (None: no RoPE); mask
-    [B, T, S] bool."""
+    .. `column` + T - 1, column [1]; blocks [B, kv_heads, S, bytes] with `store`, _stored);
+    cos/sin [B, 1, T, rotary dim] (None: no RoPE); mask [B, T, S] bool."""
     b, t, d = x.shape[0], x.shape[1], attn.head_dim
     rope = None if cos is None else (lambda y: apply_rotary(y, cos, sin))
     q, k, v = attn.qkv(x, rope, gemv)  # [B, heads, T, D], [B, kv_heads, T, D]
     at = column + torch.arange(t, device=column.device)
-    k_cache.index_copy_(2, at, k)
-    v_cache.index_copy_(2, at, v)
+    keys, values = _stored(store, k, v, k_cache, v_cache, at)
     # Query heads that share a KV head are grouped: [B, kv_heads, n_rep, T, D] against
     # [B, kv_heads, S, D]. Written as products summed in float32 rather than matrix products,
     # so that inductor reads each cached key and value once in its stored dtype, converting
     # in registers, instead of first writing a float32 copy of the whole bucket (on a GPU at
     # batch 32, as many bytes again as the weights).
     qg = q.view(b, attn.kv_heads, attn.heads // attn.kv_heads, t, 1, d).float()
-    scores = (qg * k_cache[:, :, None, None].float()).sum(-1) * attn.scale  # [B, kv_heads, n_rep, T, S]
+    scores = (qg * keys[:, :, None, None]).sum(-1) * attn.scale  # [B, kv_heads, n_rep, T, S]
     if attn.softcap is not None:  # gemma2: tanh(s / cap) · cap before the mask
         scores = torch.tanh(scores / attn.softcap) * attn.softcap
     probs = torch.softmax(scores.masked_fill(~mask.view(b, 1, 1, t, -1), float("-inf")), dim=-1)
-    out = (probs.unsqueeze(-1) * v_cache[:, :, None, None].float()).sum(-2)  # [B, kv_heads, n_rep, T, D]
+    out = (probs.unsqueeze(-1) * values[:, :, None, None]).sum(-2)  # [B, kv_heads, n_rep, T, D]
     out = out.to(x.dtype).permute(0, 3, 1, 2, 4).reshape(b, t, attn.q_size)
     return gemv(out, attn.o_proj)
 
@@ -160,15 +188,16 @@ def _moe(moe, x):
     return out.view(shape)
 
 
-def _wired_block(block, x, k_cache, v_cache, column, cos, sin, mask):
+def _wired_block(block, x, k_cache, v_cache, column, cos, sin, mask, store):
     """A block as its family wires it (llama's, gemma's sandwich, olmo2's post-norms: `wire`)
     around this step's attention and MLP (gated, or a mixture's)."""
     mlp = (lambda h: _moe(block.mlp, h)) if isinstance(block.mlp, SparseMoE) else (lambda h: _mlp(block.mlp, h))
-    return block.wire(x, lambda h: _attention(block.self_attn, h, k_cache, v_cache, column, cos, sin, mask), mlp)
+    return block.wire(x, lambda h: _attention(block.self_attn, h, k_cache, v_cache, column, cos, sin, mask, store),
+                      mlp)
 
 
-def _gpt2_block(block, x, k_cache, v_cache, column, cos, sin, mask):
-    x = x + _attention(block.attn, block.ln_1(x), k_cache, v_cache, column, None, None, mask)
+def _gpt2_block(block, x, k_cache, v_cache, column, cos, sin, mask, store):
+    x = x + _attention(block.attn, block.ln_1(x), k_cache, v_cache, column, None, None, mask, store)
     mlp = block.mlp
     return x + gemv(mlp.act(gemv(block.ln_2(x), mlp.c_fc)), mlp.c_proj)
 
@@ -211,8 +240,8 @@ class CompiledDecoder:
         self.compile_seconds = 0.0
 
     def supports(self, cache: KVCache) -> bool:
-        if getattr(cache, "quantized", False) or cache.k.dtype != getattr(cache, "dtype", cache.k.dtype):
-            return False  # blocks, or another float dtype than the model's (--kv-dtype): eager
+        """Any KV dtype (--kv-dtype: blocks are written and read in the step, _stored); batch 1
+        on the CPU, any batch on a GPU; a bucketed capacity."""
         return (cache.batch == 1 or not self.cpu) and cache.capacity % CAPACITY_BUCKET == 0
 
     def _key(self, cache: KVCache, width: int = 1) -> tuple:
@@ -239,6 +268,7 @@ class CompiledDecoder:
         if not todo:
             return 0.0
         t = time.perf_counter()
+        offset_keys_of(cache, self.model)  # a block cache's key offsets, before the first trace reads them
         with torch.inference_mode():
             tables = self._tables(cache)
             for w in todo:
@@ -328,9 +358,11 @@ class CompiledDecoder:
             tables = {local: (r.cos.index_select(0, flat).view(b, 1, t, -1),
                               r.sin.index_select(0, flat).view(b, 1, t, -1)) for local, r in self._ropes().items()}
             blocks, norm = model.layers, model.norm
+        quantized, offsets = getattr(cache, "quantized", False), getattr(cache, "key_offset", None)
         for i, block in enumerate(blocks):
             window = (block.attn if self.gpt2 else block.self_attn).window
             cos, sin = (None, None) if self.gpt2 else tables[getattr(block, "local_rope", False)]
-            x = self.block(block, x, cache.k[i], cache.v[i], column, cos, sin, masks[window])
+            store = (cache.format, None if offsets is None else offsets[i]) if quantized else None
+            x = self.block(block, x, cache.k[i], cache.v[i], column, cos, sin, masks[window], store)
         logits = model.finish_logits(self.head(norm, self.head_linear, x))
         return logits[:, 0] if t == 1 else logits

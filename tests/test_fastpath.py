@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from test_kv_quant import kv_models  # noqa: F401  (fixtures: tiny models of whole-block head sizes)
+from test_kv_quant2 import models  # noqa: F401
 from twice.core.cache import KVCache
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.core.fastpath import CAPACITY_BUCKET, IMPLEMENTS, CompiledDecoder, supported
@@ -98,6 +100,45 @@ def test_speculation_verifies_through_the_compiled_pass(model_dirs, monkeypatch)
                                                                     draft_tokens=4), reuse_cache=False))[-1].result
     assert looked.token_ids == plain.token_ids and looked.decode_path == "compiled"
     assert calls and max(calls) > 1 and looked.speculation["proposals"] > 0
+
+
+@pytest.mark.parametrize("source, family, kv", [
+    ("models", "qwen2-bias", "q8_0"),  # keys stored minus an offset; a verify pass too
+    ("kv_models", "gemma2-hd32", "q4_0"), ("kv_models", "llama-hd64", "bfloat16"),  # a float cache of another dtype
+])
+def test_compiled_step_on_other_kv_dtypes_equals_eager(request, source, family, kv):
+    """--kv-dtype with the compiled step: blocks written in the step as KVCache.write writes
+    them (keys minus the key offset) and read back dequantized; a float cache of another dtype
+    cast. Logits are eager's on the same cache step by step; the blocks written are eager's but
+    where the two steps' keys differ in their last bits on a rounding boundary (counted)."""
+    m = load(str(request.getfixturevalue(source)(family)), device="cpu", dtype="float32")
+    step = CompiledDecoder(m.model)
+    ids = torch.tensor([list(range(3, 20))])
+    a = KVCache(m.config, 1, CAPACITY_BUCKET, torch.float32, "cpu", kv_dtype=kv)
+    b = KVCache(m.config, 1, CAPACITY_BUCKET, torch.float32, "cpu", kv_dtype=kv)
+    assert step.supports(b)
+    flips = 0
+    with torch.inference_mode():
+        m.model(ids, a)
+        m.model(ids, b)
+        verify = family == "qwen2-bias"
+        step.warmup(b, verify=verify)
+        tok = torch.tensor([[42]])
+        for _ in range(5):
+            b.k.copy_(a.k)
+            b.v.copy_(a.v)
+            la, lb = m.model(tok, a), step(tok, b)
+            col = slice(a.length - 1, a.length)
+            flips += int((a.k[..., col, :] != b.k[..., col, :]).sum() + (a.v[..., col, :] != b.v[..., col, :]).sum())
+            assert (la - lb).abs().max() < 1e-4
+            tok = la.argmax(-1, keepdim=True)
+        if verify:
+            new = [50, 51, 52]
+            la = m.model(torch.tensor([new]), a, all_logits=True)[0]
+            lb = step.verify(torch.tensor(new), b)
+            assert (la - lb).abs().max() < 1e-4
+            assert b.key_offset is not None and torch.equal(a.key_offset, b.key_offset)
+    assert flips <= 4, flips
 
 
 def test_engine_decodes_gemma3_compiled(model_dirs):
