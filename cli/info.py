@@ -61,6 +61,7 @@ def info(
          f"{human_bytes(facts['kv_bytes_full_context'])} (per token × {facts['context_length']:,})"),
         ("chat template", "yes" if facts["chat_template"] else "no"),
         ("eos tokens", ", ".join(map(str, facts["eos_token_ids"])) or "none"),
+        ("decode steps", _steps(facts["decode_steps"])),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -80,6 +81,13 @@ def _kv_cost(facts: dict, kv_dtype: str) -> str:
                  kv_bytes_full_context=per_token * facts["context_length"])
     b = fmt.bytes_per_values(fmt.block)
     return str(b) if fmt.block == 1 else f"{b}/{fmt.block}"
+
+
+def _steps(steps: dict) -> str:
+    """Which fast decode steps run the model (the rest: the eager layers), and its features."""
+    yes = lambda ok: "yes" if ok else "no: eager"  # noqa: E731
+    return (f"native CPU step {yes(steps['native'])}; compiled (--compile, a GPU) {yes(steps['compiled'])}; "
+            f"features {', '.join(steps['features'])}")
 
 
 def _weights(facts: dict) -> str:

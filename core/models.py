@@ -49,3 +49,17 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
         place_parameters(model)  # before the loader writes them: decode reads them every token
     model.prepare(device, dtype)
     return model
+
+
+def decode_steps(config: ModelConfig) -> dict:
+    """Which decode steps implement the features a model of `config` declares (family.py),
+    decided from the config alone (the model built on the meta device): the native CPU step
+    (where its C kernels build) and the compiled one (--compile; a GPU). Either one that does
+    not leaves decoding to the eager layers."""
+    from . import fastpath, native_decode
+
+    with torch.device("meta"):
+        model = FAMILIES[config.model_type].model(config)
+    features = model.features()
+    return {"features": sorted(features), "native": features <= native_decode.IMPLEMENTS,
+            "compiled": features <= fastpath.IMPLEMENTS}

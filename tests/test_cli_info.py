@@ -16,7 +16,8 @@ FAMILIES = ["llama", "qwen3", "gpt2"]
 JSON_KEYS = {"name", "folder", "model_type", "parameters", "stored_dtype", "dtype", "weight_bytes", "context_length",
              "layers", "heads", "kv_heads", "head_dim", "hidden_size", "intermediate_size", "vocab_size", "rope",
              "sliding_window", "kv_bytes_per_token", "kv_bytes_full_context", "chat_template", "eos_token_ids",
-             "dtype_reason", "weight_format", "source", "active_parameters", "active_weight_bytes", "kv_dtype"}
+             "dtype_reason", "weight_format", "source", "active_parameters", "active_weight_bytes", "kv_dtype",
+             "decode_steps"}
 
 
 def tensor_elements(path) -> int:
@@ -62,6 +63,10 @@ def test_info_json_equals_the_config_and_the_weights(capsys, model_dirs, family)
     assert facts["kv_bytes_full_context"] == 2 * L * H * d * 4 * n
     assert facts["chat_template"] is True and facts["eos_token_ids"] == [2]
     assert (facts["rope"] is None) == (family == "gpt2")
+    # which steps run it: the native one all but GPT-2, the compiled one every family here
+    steps = facts["decode_steps"]
+    assert steps == {"native": family != "gpt2", "compiled": True, "features": steps["features"]}
+    assert ("block:gpt2" in steps["features"]) == (family == "gpt2") and "act:" in " ".join(steps["features"])
     # In bfloat16 the weights and the cache take half as much.
     half = json.loads(info(capsys, str(folder), "--json", "--dtype", "bfloat16").out)
     assert half["dtype"] == "bfloat16"
@@ -86,6 +91,8 @@ def test_info_text_shows_the_same_numbers(capsys, monkeypatch, model_dirs, famil
     assert f"({want['parameters'] * 4:,} B)" in rows["weights"] and "float32" in rows["weights"]
     assert rows["KV cache at full context"].endswith(f"(per token × {want['context_length']:,})")
     assert rows["chat template"] == "yes"
+    assert rows["decode steps"].startswith(f"native CPU step {'no: eager' if family == 'gpt2' else 'yes'}; "
+                                           "compiled (--compile, a GPU) yes;")
     assert rows["position encoding"] == ("learned absolute positions" if family == "gpt2" else
                                          "RoPE default (rope_theta 10000)")
     assert "\x1b[" not in r.out

@@ -37,7 +37,7 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
         formats = {"types": {name: params}, "tensors": {}, "weight_bytes": params * element,
                    "bits_per_weight": 8.0 * element}
     # A mixture of experts reads only its chosen experts' weights per token (family.py).
-    from twice.core.models import family
+    from twice.core.models import decode_steps, family
 
     counter = family(config.model_type).active_parameter_count
     active = counter(config) if counter is not None else params
@@ -72,4 +72,5 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
         "kv_bytes_full_context": config.kv_bytes_per_token(element) * config.max_position_embeddings,
         "chat_template": tokenizer.chat_template is not None,
         "eos_token_ids": eos,
+        "decode_steps": decode_steps(config),
     }
