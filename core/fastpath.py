@@ -55,9 +55,8 @@ def supported(model: CausalLM) -> bool:
     """The model's features are implemented here, and its experts (if any) are float: a
     step gathers the chosen experts' matrices by index on the device (_moe), which GGUF blocks,
     read per expert through the host, do not allow in a recorded step."""
-    blocks = any(isinstance(m.experts.gate_up_proj.weight, BlockWeight) or isinstance(m.experts.down_proj.weight,
-                                                                                     BlockWeight)
-                 for m in model.modules() if isinstance(m, SparseMoE))
+    blocks = any(isinstance(w, BlockWeight) for m in model.modules() if isinstance(m, SparseMoE)
+                 for w in (m.experts.gate_up_proj.weight, m.experts.down_proj.weight))
     return model.features() <= IMPLEMENTS and not blocks
 
 
@@ -70,13 +69,9 @@ def gemv(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     a plain matrix product (cuBLAS there). On the CPU at batch 1, accumulated in float32:
     the native kernel where it was built (kernels/gemv.c, AVX-512 BF16 dot products), else
     one fused inductor reduction."""
-    return _linear(x, linear.weight, linear.bias)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """gemv of a weight and bias, x [..., in] (CachedSelfAttention.qkv's x is [B, 1, hidden])."""
-    if x.dim() != 2:
-        return _linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], -1)
+    if x.dim() != 2:  # [B, T, in]: the rows flattened
+        return gemv(x.reshape(-1, x.shape[-1]), linear).view(*x.shape[:-1], -1)
+    w, bias = linear.weight, linear.bias
     if isinstance(w, BlockWeight):  # blocks: the weight's own product (dequantized tiles, or the int8 kernel)
         return product(x, w, bias)
     if w.device.type != "cpu" or x.shape[0] != 1:

@@ -140,11 +140,8 @@ def ggml_source() -> Path | None:
     if "ggml" not in _found:
         roots = [Path(os.environ["TWICE_GGML_SRC"])] if os.environ.get("TWICE_GGML_SRC") else []
         roots += sorted(PEER_SRC.glob("llama_cpp_python-*/vendor/llama.cpp"))
-        found = None
-        for root in roots:
-            for cand in (root, root / "ggml", root / "vendor" / "llama.cpp" / "ggml"):
-                if (cand / "src" / "ggml-quants.c").is_file() and (cand / "include" / "ggml.h").is_file():
-                    found = found or cand
+        found = next((cand for root in roots for cand in (root, root / "ggml", root / "vendor" / "llama.cpp" / "ggml")
+                      if (cand / "src" / "ggml-quants.c").is_file() and (cand / "include" / "ggml.h").is_file()), None)
         if found is None and not os.environ.get("TWICE_GGML_SRC") and _sdists():
             into = _scratch("twice-ggml-")
             extract(_sdists()[0], into, _ggml_wanted)
