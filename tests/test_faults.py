@@ -351,11 +351,12 @@ def small_device(monkeypatch):
     monkeypatch.setattr(CausalLM, "forward", forward)
     real_native = NativeDecoder.__call__
 
-    def native_step(self, tokens, cache):  # decode steps taken by the native kernel
+    def native_step(self, tokens, cache, **kwargs):  # decode steps taken by the native kernel
+        # kwargs: the real step's own (rows=: the scheduler steps only a batch's live rows)
         device["seen"].append(tuple(tokens.shape))
         if tokens.shape[0] > device["rows"]:
             raise MemoryError("native decode could not allocate its scratch buffers (simulated)")
-        return real_native(self, tokens, cache)
+        return real_native(self, tokens, cache, **kwargs)
 
     monkeypatch.setattr(NativeDecoder, "__call__", native_step)
     return device
