@@ -218,7 +218,8 @@ def hf_twin(model: CausalLM, share: bool = False):
             params[f"{name}.weight"] = m.weight.dequantize(first.dtype)
     assigned: set[int] = set()
     with torch.no_grad():
-        for name, target in model.targets().items():
+        for name, places in model.placements().items():
+            (target,) = places  # one process: each checkpoint tensor fills one place
             try:
                 dest = hf.get_parameter(name)
             except AttributeError:  # e.g. lm_head.weight of a tied model

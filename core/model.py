@@ -50,6 +50,11 @@ class Target:
         return (self.param, self.row)
 
 
+# What one checkpoint tensor fills: one place, or several where a tensor-parallel rank keeps
+# several slices of it (phi3's fused qkv_proj: its q heads, its k heads, its v heads).
+Placement = Target | tuple[Target, ...]
+
+
 class CausalLM(torch.nn.Module):
     config: ModelConfig
     # Checkpoint tensors under these prefixes belong to no part this model runs and are
@@ -69,8 +74,13 @@ class CausalLM(torch.nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         raise NotImplementedError
 
-    def targets(self) -> dict[str, Target]:
+    def targets(self) -> dict[str, Placement]:
         raise NotImplementedError
+
+    def placements(self) -> dict[str, tuple[Target, ...]]:
+        """targets() with every entry a tuple of the places its checkpoint tensor fills: what
+        the loaders read."""
+        return {name: t if isinstance(t, tuple) else (t,) for name, t in self.targets().items()}
 
     def features(self) -> frozenset[str]:
         """What a decode step must implement to run this model (family.py): the block kind
@@ -136,6 +146,25 @@ def fused_rows(prefix_hf: str, param: str, names: tuple[str, ...], parts: tuple[
             out[f"{prefix_hf}.{name}.bias"] = Target(f"{param}.bias", row, size, source=source)
         row += size
     return out
+
+
+def fuse(targets: dict[str, Placement], fused: str, names: tuple[str, ...]) -> None:
+    """A checkpoint that stores as one tensor `fused` what others store as `names` (phi3's
+    qkv_proj for q/k/v_proj, rows q | k | v): the entries `names` (consecutive rows of one
+    parameter, as fused_rows made them) become one entry for `fused`: one Target when this
+    rank keeps the whole tensor, else one per part, each reading its rows of the fused tensor."""
+    parts = [targets.pop(n) for n in names]
+    assert all(isinstance(p, Target) and p.rows is not None and p.param == parts[0].param for p in parts)
+    if all(p.source is None for p in parts):
+        targets[fused] = Target(parts[0].param, parts[0].row, sum(p.rows for p in parts))
+        return
+    total = sum(p.source.total if p.source else p.rows for p in parts)
+    out, offset = [], 0
+    for p in parts:
+        start, stop = (p.source.start, p.source.stop) if p.source else (0, p.rows)
+        out.append(Target(p.param, p.row, p.rows, source=Source(0, offset + start, offset + stop, total)))
+        offset += p.source.total if p.source else p.rows
+    targets[fused] = tuple(out)
 
 
 def columns(param: str, start: int, size: int, total: int) -> Target:

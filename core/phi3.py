@@ -18,9 +18,9 @@ How it differs from llama (llama.py), as transformers 5's modeling_phi3.py compu
 The blocks themselves are llama's: x += attn(norm1(x)); x += mlp(norm2(x)) (transformers'
 residual dropouts are identities at inference).
 
-Tensor parallelism is refused: a rank's share of the fused qkv_proj is three slices of one
-checkpoint tensor (its q heads, its k heads, its v heads; gate_up_proj: two), and the loader's
-name map (`targets()`, model.Target) reads one slice of a checkpoint tensor per target.
+Tensor parallelism splits as llama's: a rank's share of the fused qkv_proj is three slices of
+the one checkpoint tensor (its q heads, its k heads, its v heads; of gate_up_proj two: its gate
+and up rows), so each fused checkpoint tensor fills several places (model.fuse).
 """
 
 from __future__ import annotations
@@ -31,21 +31,13 @@ from .family import Family
 from .fields import Fields, show
 from .llama import LlamaModel
 from .llama import parameter_count as _llama_parameter_count
-from .model import Target
-from .parallel import SINGLE, Shard
+from .model import Placement, fuse
 from .rope import rotary_dim
 
 
 class Phi3Model(LlamaModel):
     """llama's layers under phi3's checkpoint names; module names are llama's
     (layers.N.self_attn.qkv_proj, layers.N.mlp.gate_up_proj, input_layernorm, ...)."""
-
-    def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
-        if shard.active:
-            raise UnsupportedModelError(
-                "phi3: tensor parallelism (--tp) is not supported: each rank would need three slices of the "
-                "fused qkv_proj checkpoint tensor (and two of gate_up_proj)")
-        super().__init__(config, shard)
 
     def features(self) -> frozenset[str]:
         # Partial rotary: the rope tables are rotary_dim wide and only a head's first
@@ -54,17 +46,13 @@ class Phi3Model(LlamaModel):
         partial = rotary_dim(self.config) < self.config.head_dim
         return super().features() | ({"rope:partial"} if partial else set())
 
-    def targets(self) -> dict[str, Target]:
-        c = self.config
-        t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight"),
-                                "model.norm.weight": Target("norm.weight"),
-                                "lm_head.weight": Target("embed_tokens.weight" if c.tie_word_embeddings
-                                                         else "lm_head.weight")}
-        for i in range(c.num_hidden_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
-                         "input_layernorm", "post_attention_layernorm"):
-                t[f"{hf}.{name}.weight"] = Target(f"{ours}.{name}.weight")
+    def targets(self) -> dict[str, Placement]:
+        t = super().targets()  # llama's, with q/k/v and gate/up as separate checkpoint tensors
+        for i in range(self.config.num_hidden_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            fuse(t, f"{attn}.qkv_proj.weight", (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight",
+                                                f"{attn}.v_proj.weight"))
+            fuse(t, f"{mlp}.gate_up_proj.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"))
         return t
 
 

@@ -229,12 +229,55 @@ def test_quantize_q8_0_runs_phi3(model_dirs):
     assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
-def test_tensor_parallelism_is_refused_in_one_line(model_dirs):
+def _float_rows(linear) -> torch.Tensor:
+    from twice.core.qweight import BlockLinear
+
+    return linear.weight.dequantize(torch.float32) if isinstance(linear, BlockLinear) else linear.weight
+
+
+@pytest.mark.parametrize("stored", ["safetensors", "q8_0", "--quantize q8_0"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_keep_their_slices_of_the_fused_tensors(model_dirs, tokenizer, tmp_path, capsys, stored,
+                                                                     rank):
+    """Each rank's qkv_proj is three slices of the checkpoint's one fused tensor (its q heads,
+    its k heads, its v heads), its gate_up_proj two (its gate rows, its up rows), its o_proj
+    and down_proj their columns; from safetensors, from a GGUF as stored (blocks copied) and
+    quantized at load (tests/test_parallel.py runs two ranks)."""
     from twice.core.parallel import Shard
 
-    with pytest.raises(UnsupportedModelError) as e:
-        load(str(model_dirs("phi3")), device="cpu", shard=Shard(rank=0, world=2))
-    assert "\n" not in str(e.value) and "--tp" in str(e.value) and "qkv_proj" in str(e.value)
+    src, weights = model_dirs("phi3"), None
+    if stored != "safetensors":  # a rank's 48 of 96 MLP columns would cut a q8_0 block: 128 wide
+        from transformers import AutoModelForCausalLM
+
+        config = tiny.hf_config("phi3")
+        config.intermediate_size = 128
+        torch.manual_seed(5)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "wide")
+        tiny.save_tokenizer(tmp_path / "wide", tokenizer)
+        src, path = tmp_path / "wide", tmp_path / "phi3-q8_0.gguf"
+        if stored == "q8_0":  # a GGUF as stored
+            assert run_inprocess(["quantize", str(src), str(path), "--type", stored], capsys).code == 0
+            src = path
+        else:  # quantized in memory at load
+            weights = "q8_0"
+    whole = load(str(src), device="cpu", dtype="float32", weights=weights).model
+    part = load(str(src), device="cpu", dtype="float32", weights=weights, shard=Shard(rank=rank, world=2)).model
+    c = whole.config
+    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+
+    def mine(w: torch.Tensor, start: int, size: int, dim: int = 0) -> torch.Tensor:
+        return w.narrow(dim, start + rank * size // 2, size // 2)
+
+    for i in range(c.num_hidden_layers):
+        a, b = whole.layers[i], part.layers[i]
+        qkv = _float_rows(a.self_attn.qkv_proj)
+        assert torch.equal(_float_rows(b.self_attn.qkv_proj),
+                           torch.cat([mine(qkv, 0, q), mine(qkv, q, kv), mine(qkv, q + kv, kv)]))
+        gate_up = _float_rows(a.mlp.gate_up_proj)
+        assert torch.equal(_float_rows(b.mlp.gate_up_proj), torch.cat([mine(gate_up, 0, inter),
+                                                                       mine(gate_up, inter, inter)]))
+        assert torch.equal(_float_rows(b.self_attn.o_proj), mine(_float_rows(a.self_attn.o_proj), 0, q, dim=1))
+        assert torch.equal(_float_rows(b.mlp.down_proj), mine(_float_rows(a.mlp.down_proj), 0, inter, dim=1))
 
 
 # -- bad configs: one line naming the field ---------------------------------------------------------------
@@ -323,10 +366,12 @@ def test_every_accepted_longrope_field_computes():
                 assert math.isfinite(scaling) and not inv.isnan().any(), (key, value, orig)
 
 
-def test_tensor_parallelism_is_refused_in_one_line(model_dirs):
-    """A rank's share of the fused qkv_proj would be three slices of one checkpoint tensor,
-    which the loader's name map does not read (phi3.py): refused, never split wrong."""
+def test_quantize_at_load_refuses_a_rank_split_that_cuts_a_block(model_dirs):
+    """--quantize q8_0 --tp 2 on 96 MLP columns: each rank's 48 would cut a block of 32 (the
+    type chosen per checkpoint tensor, its columns per rank: weights/load._mixture_layouts)."""
     from twice.core.parallel import Shard
 
-    with pytest.raises(UnsupportedModelError, match=r"^phi3: tensor parallelism \(--tp\) is not supported"):
-        load(str(model_dirs("phi3")), device="cpu", shard=Shard(rank=0, world=2))
+    with pytest.raises(UnsupportedModelError) as e:
+        load(str(model_dirs("phi3")), device="cpu", shard=Shard(rank=0, world=2), weights="q8_0")
+    assert str(e.value) == ("--quantize q8_0: model.layers.0.mlp.down_proj.weight would be Q8_0 (blocks of 32 values), "
+                            "but each of the 2 ranks holds 48 of its columns; use fewer ranks, or no --quantize")

@@ -68,9 +68,9 @@ def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER)
 
 
 # a mixture (each expert's rows split, the router and shared-expert gate replicated), gemma2
-# (sandwich norms, soft-capping) and olmo2 (q/k norms over the whole projection: their squares
-# all-reduced); phi3 refuses --tp (its family tests)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2", "olmo2"])
+# (sandwich norms, soft-capping), olmo2 (q/k norms over the whole projection: their squares
+# all-reduced) and phi3 (fused checkpoint tensors: three slices of qkv_proj per rank)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2", "olmo2", "phi3"])
 def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     folder = model_dirs(family)
     ids = list(range(5, 25))

@@ -311,7 +311,7 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     """Fill every parameter of `model` from the checkpoint in `folder` (whose `files`
     checkpoint_files() has already listed and checked, if given)."""
     files = files if files is not None else checkpoint_files(folder)
-    targets = model.targets()
+    targets = model.placements()
     params = dict(model.named_parameters(remove_duplicate=False))
     # Weights held as blocks (--quantize): a meta stand-in for the shape checks; store_rows quantizes.
     modules = dict(model.named_modules())
@@ -323,31 +323,33 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
     scratch = Scratch()
     with torch.inference_mode():
         for name, tf in iter_tensors(files):
-            target = targets.get(name)
-            if target is None:
+            places = targets.get(name)
+            if places is None:
                 if not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(model.unused_prefixes):
                     unexpected.append(name)
                 continue
-            if target.key in filled:  # a second tensor for the same place: it must say the same
-                _check_same(model, filled[target.key], (name, tf), target, params[target.param], scratch)
-                continue
-            if target.param in blocks:
-                tensor = _checked_read(tf, name, target, params[target.param], scratch)
-                if not all_finite(tensor):
-                    raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
-                blocks[target.param].store_rows(target.row, tensor.t() if target.transpose else tensor)
+            for target in places:
+                if target.key in filled:  # a second tensor for the same place: it must say the same
+                    _check_same(model, filled[target.key], (name, tf), target, params[target.param], scratch)
+                    continue
+                if target.param in blocks:
+                    tensor = _checked_read(tf, name, target, params[target.param], scratch)
+                    if not all_finite(tensor):
+                        raise WeightsError(f"{tf.path}: tensor {name!r} contains NaN or infinite values")
+                    blocks[target.param].store_rows(target.row, tensor.t() if target.transpose else tensor)
+                else:
+                    _copy(tf, name, target, params[target.param], scratch)
                 filled[target.key] = (name, tf)
-                continue
-            _copy(tf, name, target, params[target.param], scratch)
-            filled[target.key] = (name, tf)
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else "")
         raise WeightsError(f"{folder}: tensors not used by a {model.config.model_type} model: {shown}")
     spans: dict[str, list[tuple[int, int]]] = {}  # rows filled per parameter
-    for name, t in targets.items():
-        if t.key in filled and filled[t.key][0] == name:
-            spans.setdefault(t.param, []).append((t.row, t.row + (t.rows if t.rows is not None else 1)))
-    missing = sorted({n for n, t in targets.items() if t.key not in filled and not n.startswith("transformer.")
+    for name, places in targets.items():
+        for t in places:
+            if t.key in filled and filled[t.key][0] == name:
+                spans.setdefault(t.param, []).append((t.row, t.row + (t.rows if t.rows is not None else 1)))
+    missing = sorted({n for n, places in targets.items() for t in places
+                      if t.key not in filled and not n.startswith("transformer.")
                       and not _covered(spans.get(t.param, ()), t.row, t.row + (t.rows or 1))})
     if missing:
         shown = ", ".join(missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")

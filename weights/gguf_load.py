@@ -78,49 +78,53 @@ class StoredTensors:
         which row groups: every matrix whose file type is not already the model's dtype.
         A target marked `transpose` (GPT-2's Conv1D) is one too: a GGUF matrix is always
         stored [out, in], as the layer holds it."""
-        targets = model.targets()
+        targets = model.placements()
         params = dict(model.named_parameters(remove_duplicate=False))
         parts: dict[str, list[tuple[int, str, int]]] = {}
         for name, job in self.jobs.items():
-            target = targets[name]
             if len(job.shape) != 2:
                 continue
-            rows = target.rows if target.rows is not None else params[target.param].shape[0]
-            parts.setdefault(target.param, []).append((target.row, BY_GGML_TYPE[int(job.tensor.tensor_type)].name,
-                                                       rows))
+            for target in targets[name]:
+                rows = target.rows if target.rows is not None else params[target.param].shape[0]
+                parts.setdefault(target.param, []).append((target.row, BY_GGML_TYPE[int(job.tensor.tensor_type)].name,
+                                                           rows))
         keep_float = {p for p, ps in parts.items() if all(_FLOAT_TYPES.get(dtype) == _type_id(t) for _, t, _ in ps)}
         layouts = {p: [(t, rows) for _, t, rows in sorted(ps)] for p, ps in parts.items() if p not in keep_float}
         for name, job in self.jobs.items():  # tensor parallelism splits rows, or columns by whole blocks
-            target = targets[name]
-            if target.param in layouts and target.source is not None and target.source.dim == 1:
-                c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
-                if target.source.start % c.block_size or target.source.stop % c.block_size:
-                    raise UnsupportedModelError(
-                        f"{self.src}: tensor {job.tensor.name} ({c.name}, blocks of {c.block_size} values) cannot be "
-                        f"split over {model.shard.world} ranks: each rank's {target.source.stop - target.source.start} "
-                        "columns would cut a block; use fewer ranks, or --dequantize")
+            for target in targets[name]:
+                if target.param in layouts and target.source is not None and target.source.dim == 1:
+                    c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
+                    if target.source.start % c.block_size or target.source.stop % c.block_size:
+                        raise UnsupportedModelError(
+                            f"{self.src}: tensor {job.tensor.name} ({c.name}, blocks of {c.block_size} values) cannot "
+                            f"be split over {model.shard.world} ranks: each rank's "
+                            f"{target.source.stop - target.source.start} columns would cut a block; use fewer ranks, "
+                            "or --dequantize")
         return layouts
 
     def fill(self, model: CausalLM) -> None:
         """Read every tensor into `model` (built with `layouts`)."""
-        targets = model.targets()
+        targets = model.placements()
         modules = dict(model.named_modules())
         params = dict(model.named_parameters(remove_duplicate=False))
         with open_regular(self.src, WeightsError) as f, torch.inference_mode():
             fd = f.fileno()
             for name, job in self.jobs.items():
-                target = targets[name]
-                module = modules.get(target.param.removesuffix(".weight"))
-                if hasattr(module, "part_for_row"):  # stored as blocks
-                    buffer, first = module.part_for_row(target.row)
-                    if target.source is None:
-                        rows = job.stored_shape[0]
-                        dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
-                        self._read_blocks(fd, job, dest)
-                    else:  # this rank's rows, or its columns as whole blocks, of the whole tensor
-                        whole = torch.empty(job.stored_shape[0], job.tensor.n_bytes // job.stored_shape[0],
-                                            dtype=torch.uint8)
-                        self._read_blocks(fd, job, whole)
+                whole = weight = None  # the whole tensor, read once for the slices of it this rank keeps
+                for target in targets[name]:
+                    module = modules.get(target.param.removesuffix(".weight"))
+                    if hasattr(module, "part_for_row"):  # stored as blocks
+                        buffer, first = module.part_for_row(target.row)
+                        if target.source is None:
+                            rows = job.stored_shape[0]
+                            dest = getattr(module, buffer)[target.row - first: target.row - first + rows]
+                            self._read_blocks(fd, job, dest)
+                            continue
+                        # this rank's rows, or its columns as whole blocks, of the whole tensor
+                        if whole is None:
+                            whole = torch.empty(job.stored_shape[0], job.tensor.n_bytes // job.stored_shape[0],
+                                                dtype=torch.uint8)
+                            self._read_blocks(fd, job, whole)
                         src = target.source
                         if src.dim == 0:
                             piece = whole[src.start: src.stop]
@@ -132,20 +136,20 @@ class StoredTensors:
                             piece = whole[:, a:b]
                         rows = piece.shape[0]
                         getattr(module, buffer)[target.row - first: target.row - first + rows].copy_(piece)
-                    continue
-                param = params[target.param]
-                dest = param if target.rows is None else param[target.row: target.row + target.rows]
-                if dest.dtype in _FLOAT_TYPES and _FLOAT_TYPES[dest.dtype] == int(job.tensor.tensor_type) \
-                        and not job.unpermute_heads and len(job.shape) == 2 and target.source is None:
-                    self._read_blocks(fd, job, dest.view(torch.uint8).view(dest.shape[0], -1))
-                    continue
-                weight = torch.from_numpy(np.array(_load_weight(job, self.src, hf_layout=False), dtype=np.float32))
-                if target.source is not None:  # this rank's slice
+                        continue
+                    param = params[target.param]
+                    dest = param if target.rows is None else param[target.row: target.row + target.rows]
+                    if dest.dtype in _FLOAT_TYPES and _FLOAT_TYPES[dest.dtype] == int(job.tensor.tensor_type) \
+                            and not job.unpermute_heads and len(job.shape) == 2 and target.source is None:
+                        self._read_blocks(fd, job, dest.view(torch.uint8).view(dest.shape[0], -1))
+                        continue
+                    if weight is None:
+                        weight = torch.from_numpy(np.array(_load_weight(job, self.src, hf_layout=False),
+                                                           dtype=np.float32))
+                        if not bool(torch.isfinite(weight).all()):
+                            raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
                     src = target.source
-                    weight = weight.narrow(src.dim, src.start, src.stop - src.start)
-                if not bool(torch.isfinite(weight).all()):
-                    raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
-                dest.copy_(weight)
+                    dest.copy_(weight if src is None else weight.narrow(src.dim, src.start, src.stop - src.start))
 
     def _read_blocks(self, fd: int, job: _TensorJob, dest: torch.Tensor) -> None:
         """The tensor's bytes as stored into `dest` (uint8 [rows, row_bytes]), rows put back

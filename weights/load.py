@@ -70,16 +70,17 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
     llama.cpp's `mixture` gives their checkpoint tensors."""
     from .gguf_write import memory_types
 
-    targets = model.targets()
+    targets = model.placements()
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    shapes, local = {}, {}
-    for hf, t in targets.items():
+    shapes, columns = {}, {}
+    for hf, places in targets.items():
+        t = places[0]
         p = params.get(t.param)
         if p is None or p.dim() != 2:
             continue
-        rows = t.rows if t.rows is not None else p.shape[0]
-        local[hf] = (rows, p.shape[1])
+        rows = sum(t.rows if t.rows is not None else p.shape[0] for t in places)
+        columns[hf] = p.shape[1]
         # The type follows the whole checkpoint tensor's shape (a rank holds a slice of it).
         src = t.source
         shapes[hf] = (src.total if src and src.dim == 0 else rows, src.total if src and src.dim == 1 else p.shape[1])
@@ -88,15 +89,16 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
     types = memory_types(model.config, mixture, shapes)
     parts: dict[str, list[tuple[int, str, int]]] = {}
     for hf, type_name in types.items():
-        t = targets[hf]
         if hf.startswith("transformer.") or type_name == "F32":
             continue
         block = codec(type_name).block_size
-        if local[hf][1] % block:  # tensor parallelism split the row inside a block
+        if columns[hf] % block:  # tensor parallelism split the row inside a block
             raise UnsupportedModelError(
                 f"--quantize {mixture}: {hf} would be {type_name} (blocks of {block} values), but each of the "
-                f"{model.shard.world} ranks holds {local[hf][1]} of its columns; use fewer ranks, or no --quantize")
-        parts.setdefault(t.param, []).append((t.row, type_name, local[hf][0]))
+                f"{model.shard.world} ranks holds {columns[hf]} of its columns; use fewer ranks, or no --quantize")
+        for t in targets[hf]:
+            parts.setdefault(t.param, []).append((t.row, type_name, t.rows if t.rows is not None
+                                                  else params[t.param].shape[0]))
     layouts = {p: [(kind, rows) for _, kind, rows in sorted(ps)] for p, ps in parts.items()}
     for p, layout in layouts.items():  # stacked experts (core/experts.py): one part per run of a type
         if getattr(modules.get(p.removesuffix(".weight")), "stacked", False):
