@@ -26,8 +26,10 @@ def run_inprocess(args: list[str], capsys, stdin: bytes | None = None, monkeypat
                 return False
 
         monkeypatch.setattr(sys, "stdin", _In(io.BytesIO(stdin), encoding="utf-8"))
+    import torch
+
     capsys.readouterr()  # drop whatever fixtures printed before the command runs
-    old = sys.argv
+    old, threads = sys.argv, torch.get_num_threads()
     sys.argv = ["twice", *args]
     code = 0
     try:
@@ -35,7 +37,10 @@ def run_inprocess(args: list[str], capsys, stdin: bytes | None = None, monkeypat
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
+        # --threads N sets torch's threads for the process: the tests after it keep theirs
+        # (float sums reduce in another order on another thread count).
         sys.argv = old
+        torch.set_num_threads(threads)
     cap = capsys.readouterr()
     return Run(code, cap.out, cap.err)
 
