@@ -460,9 +460,10 @@ static inline __m256 sums8(const __m256 *a) {
 
 /* softmax(q·K · scale) · V for the `group` query heads (D apart in q and out) that share the
  * n block keys/values from token `tok` of kc/vc; s: scratch, `stride` floats per head.
- * out is float32 (attend_group rounds it). */
+ * out is float32 (attend_group rounds it); ml: each head's softmax max and sum. */
 static void attend_group_blocks(const Dims *d, const float *q, int64_t group, const uint8_t *kc,
-                                const uint8_t *vc, int64_t tok, int64_t n, float *s, int64_t stride, float *out) {
+                                const uint8_t *vc, int64_t tok, int64_t n, float *s, int64_t stride, float *out,
+                                float *ml) {
     const int64_t D = d->head_dim, tb = kv_token_bytes(d);
     float buf[KV_TILE * KV_TILE_MAX_D] __attribute__((aligned(32)));
     const __m256 scale = _mm256_set1_ps(d->scale);
@@ -490,6 +491,7 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
         for (int64_t j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
         for (int64_t j = 0; j < n; j++) p[j] /= sum;
         memset(out + h * D, 0, (size_t)D * sizeof(float));
+        ml[2 * h] = m, ml[2 * h + 1] = sum;
     }
     for (int64_t j = 0; j < n; j += KV_TILE) {
         const int64_t t = n - j < KV_TILE ? n - j : KV_TILE;
@@ -517,9 +519,9 @@ static void attend_group_blocks(const Dims *d, const float *q, int64_t group, co
 #endif
 
 /* One query head against n cached keys/values (rows D apart from element `base`):
- * softmax(q·K * scale) · V into out. */
+ * softmax(q·K * scale) · V into out; its softmax max and sum into ml[0], ml[1]. */
 static void attend_head_scalar(const Dims *d, const float *q, const void *kc, const void *vc, int64_t base,
-                               int64_t n, float *s, float *out) {
+                               int64_t n, float *s, float *out, float *ml) {
     const int64_t D = d->head_dim;
     float m = -INFINITY, sum = 0.0f;
     const float cap = d->attn_cap;
@@ -532,6 +534,7 @@ static void attend_head_scalar(const Dims *d, const float *q, const void *kc, co
         if (s[j] > m) m = s[j];
     }
     for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    ml[0] = m, ml[1] = sum;
     for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
     if (cap > 0.0f) /* and its float32 probabilities cast to the model dtype before they meet V */
         for (int64_t j = 0; j < n; j++) axpy_cached(d, rnd(d, s[j] / sum), vc, base + j * D, D, out);
@@ -563,7 +566,8 @@ static inline __attribute__((always_inline)) __m512 key_dot(const Dims *d, const
 /* Softmax(q·K · scale) of one query head over n cached keys (rows D apart from element
  * `base`) into p; returns what p still has to be multiplied by. Scores come 16 keys at a
  * time (their 16 partial sums folded into one vector), so the max, the exponentials and
- * the sum run on vectors. In float32 p is normalized (returns 1). In bfloat16 p holds
+ * the sum run on vectors; the max and the sum go to ml[0], ml[1]. In float32 p is
+ * normalized (returns 1). In bfloat16 p holds
  * e^(s - max) as bf16 pairs, (p[j], p[j+1]) in one 32-bit word for values_vec's dot
  * products, zero-padded to an even count, and the 1/sum is returned: that is what SDPA's
  * CPU kernel does for bf16 (its probabilities meet V in bf16, the sum stays float).
@@ -574,7 +578,7 @@ static inline __attribute__((always_inline)) __m512 key_dot(const Dims *d, const
 static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *d, const int NV, const float *qh,
                                                                     const void *kc, int64_t base, int64_t n,
                                                                     const char *ahead_k, const char *ahead_v,
-                                                                    int64_t ahead_n, float *p) {
+                                                                    int64_t ahead_n, float *p, float *ml) {
     const int64_t D = 16 * NV, row_bytes = D * (d->bf16 ? 2 : 4);
     __m512 q[8];
     __m512i qb[4];
@@ -607,14 +611,15 @@ static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *
         p[j] = _mm512_reduce_add_ps(key_dot(d, NV, q, qb, kc, base + j * D)) * d->scale;
         if (p[j] > m) m = p[j];
     }
+    ml[0] = m;
 #ifdef __AVX512BF16__
     if (d->bf16) {  /* bf16 pairs for values_vec's dot products */
-        const float inv = 1.0f / exp_sum(p, 0, n, m, 1);
+        ml[1] = exp_sum(p, 0, n, m, 1);
         ((uint16_t *)p)[n] = 0;  /* the odd key's partner */
-        return inv;
+        return 1.0f / ml[1];
     }
 #endif
-    softmax16(p, n, m);
+    ml[1] = softmax16(p, n, m);
     return 1.0f;
 }
 
@@ -622,7 +627,7 @@ static inline __attribute__((always_inline)) float softmax_head_vec(const Dims *
  * (grouped-query attention): each value row is loaded once for all NH heads, and the
  * NH·NV accumulators are independent chains, so neither the loads nor the latency of the
  * multiply-adds bound the loop. p: NH rows `stride` floats apart, as softmax_head_vec
- * leaves them; out: NH heads D apart, rounded to the model dtype. */
+ * leaves them; out: NH heads D apart, in float32 (attend_group rounds it). */
 static inline __attribute__((always_inline)) void values_vec(const Dims *d, const int NV, const int NH,
                                                              const float *p, int64_t stride, const float *scale,
                                                              const void *vc, int64_t base, int64_t n, float *out) {
@@ -654,8 +659,8 @@ static inline __attribute__((always_inline)) void values_vec(const Dims *d, cons
             const __m512 sc = _mm512_set1_ps(scale[h]);
             for (int v = 0; v < NV / 2; v++) {
                 const __m512 a = o[h][2 * v], b = o[h][2 * v + 1];
-                _mm512_storeu_ps(out + h * D + 32 * v, round_bf16(_mm512_mul_ps(unpacked_first16(a, b), sc)));
-                _mm512_storeu_ps(out + h * D + 32 * v + 16, round_bf16(_mm512_mul_ps(unpacked_second16(a, b), sc)));
+                _mm512_storeu_ps(out + h * D + 32 * v, _mm512_mul_ps(unpacked_first16(a, b), sc));
+                _mm512_storeu_ps(out + h * D + 32 * v + 16, _mm512_mul_ps(unpacked_second16(a, b), sc));
             }
         }
         return;
@@ -668,7 +673,7 @@ static inline __attribute__((always_inline)) void values_vec(const Dims *d, cons
         }
     for (int h = 0; h < NH; h++)
         for (int v = 0; v < NV; v++)
-            _mm512_storeu_ps(out + h * D + 16 * v, rnd16(d, _mm512_mul_ps(o[h][v], _mm512_set1_ps(scale[h]))));
+            _mm512_storeu_ps(out + h * D + 16 * v, _mm512_mul_ps(o[h][v], _mm512_set1_ps(scale[h])));
 }
 
 /* The `group` query heads (D apart in q and out) that read one cached kv head. */
@@ -676,7 +681,7 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
                                                                    int64_t group, const void *kc, const void *vc,
                                                                    int64_t base, int64_t n, const char *ahead_k,
                                                                    const char *ahead_v, int64_t ahead_n, float *s,
-                                                                   int64_t stride, float *out) {
+                                                                   int64_t stride, float *out, float *ml) {
     const int64_t D = 16 * NV;
     const int most = NV == 4 ? 4 : 2;  /* 4·NV accumulators at most: with the rows and p, within 32 registers */
     for (int64_t h = 0; h < group; h += most) {
@@ -684,7 +689,7 @@ static inline __attribute__((always_inline)) void attend_group_vec(const Dims *d
         float scale[4];
         for (int k = 0; k < nh; k++)  /* the first head's pass prefetches; the rest find the keys in cache */
             scale[k] = softmax_head_vec(d, NV, q + (h + k) * D, kc, base, n, h + k ? NULL : ahead_k, ahead_v,
-                                        ahead_n, s + k * stride);
+                                        ahead_n, s + k * stride, ml + 2 * (h + k));
         if (nh == 4) values_vec(d, NV, 4, s, stride, scale, vc, base, n, out + h * D);
         else if (nh == 3) values_vec(d, NV, 3, s, stride, scale, vc, base, n, out + h * D);
         else if (nh == 2) values_vec(d, NV, 2, s, stride, scale, vc, base, n, out + h * D);
@@ -719,7 +724,7 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
                                                                         const int NH, const float *q,
                                                                         const uint8_t *kc, const uint8_t *vc,
                                                                         int64_t n, float *s, int64_t stride,
-                                                                        float *out) {
+                                                                        float *out, float *ml) {
     const int64_t D = 16 * NV, tb = (Q8 ? 34 : 18) * (D / 32); /* kv_token_bytes, a constant here */
     const __m512 scale = _mm512_set1_ps(d->scale);
     __m512 qv[4][8];
@@ -748,7 +753,8 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
         float *p = s + h * stride;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, lanes16(j, 0, n), p + j));
-        softmax16(p, n, _mm512_reduce_max_ps(mv));
+        ml[2 * h] = _mm512_reduce_max_ps(mv);
+        ml[2 * h + 1] = softmax16(p, n, ml[2 * h]);
     }
     __m512 o[4][8];
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) o[h][v] = _mm512_setzero_ps();
@@ -775,20 +781,21 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
 static inline __attribute__((always_inline)) void attend_group_blocks16(const Dims *d, const int NV, const float *q,
                                                                         int64_t group, const uint8_t *kc,
                                                                         const uint8_t *vc, int64_t tok, int64_t n,
-                                                                        float *s, int64_t stride, float *out) {
+                                                                        float *s, int64_t stride, float *out,
+                                                                        float *ml) {
     const int64_t D = 16 * NV, tb = kv_token_bytes(d);
     const int most = NV == 4 ? 4 : 2;
     kc += tok * tb, vc += tok * tb;
     for (int64_t h = 0; h < group; h += most) {
         const int nh = group - h < most ? (int)(group - h) : most;
         const float *qh = q + h * D;
-        float *sh = s + h * stride, *oh = out + h * D;
+        float *sh = s + h * stride, *oh = out + h * D, *mh = ml + 2 * h;
         /* block type and head count as compile-time constants of the kernel */
 #define HEADS_BLOCKS16(Q8)                                                                            \
-        if (nh == 4) attend_heads_blocks16(d, Q8, NV, 4, qh, kc, vc, n, sh, stride, oh);              \
-        else if (nh == 3) attend_heads_blocks16(d, Q8, NV, 3, qh, kc, vc, n, sh, stride, oh);         \
-        else if (nh == 2) attend_heads_blocks16(d, Q8, NV, 2, qh, kc, vc, n, sh, stride, oh);         \
-        else attend_heads_blocks16(d, Q8, NV, 1, qh, kc, vc, n, sh, stride, oh);
+        if (nh == 4) attend_heads_blocks16(d, Q8, NV, 4, qh, kc, vc, n, sh, stride, oh, mh);          \
+        else if (nh == 3) attend_heads_blocks16(d, Q8, NV, 3, qh, kc, vc, n, sh, stride, oh, mh);     \
+        else if (nh == 2) attend_heads_blocks16(d, Q8, NV, 2, qh, kc, vc, n, sh, stride, oh, mh);     \
+        else attend_heads_blocks16(d, Q8, NV, 1, qh, kc, vc, n, sh, stride, oh, mh);
         if (d->kv_type == KV_Q8_0) { HEADS_BLOCKS16(1) }
         else { HEADS_BLOCKS16(0) }
 #undef HEADS_BLOCKS16
@@ -796,37 +803,82 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
 }
 #endif
 
+/* x[0, n) rounded to the model dtype, as rnd() each. */
+static void round_to_dtype(const Dims *d, float *x, int64_t n) {
+    if (!d->bf16) return;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, round_bf16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = rnd(d, x[i]);
+}
+
 /* softmax(q·K · scale) · V for the `group` query heads that share one cached kv head,
- * into out (rounded to the model dtype), with s as scratch (`stride` floats per head). */
+ * into out, with s as scratch (`stride` floats per head) and each head's softmax max and
+ * sum into m (2 · group floats). out is rounded to the model dtype, unless it is a chunk of
+ * a longer span (`chunk`): merge_chunks rounds the merged result. */
 static void attend_group(const Dims *d, const float *q, int64_t group, const void *kc, const void *vc, int64_t base,
                          int64_t n, const char *ahead_k, const char *ahead_v, int64_t ahead_n, float *s,
-                         int64_t stride, float *out) {
+                         int64_t stride, float *out, float *m, int chunk) {
     const int64_t D = d->head_dim;
 #ifdef __AVX512F__
-    if (d->attn_cap > 0.0f || d->kv_type != KV_FLOAT) {} /* soft-capped scores, block caches: scalar path */
-    else if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
-    else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out); return; }
+    if (d->attn_cap > 0.0f || d->kv_type != KV_FLOAT) {} /* soft-capped scores, block caches: below */
+    else if (D == 64) { attend_group_vec(d, 4, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out, m); goto done; }
+    else if (D == 128) { attend_group_vec(d, 8, q, group, kc, vc, base, n, ahead_k, ahead_v, ahead_n, s, stride, out, m); goto done; }
 #endif
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && (D == 64 || D == 128)) {  /* blocks on 16 lanes */
-        if (D == 64) attend_group_blocks16(d, 4, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
-        else attend_group_blocks16(d, 8, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
-        for (int64_t i = 0; i < group * D; i++) out[i] = rnd(d, out[i]);
-        return;
+        if (D == 64) attend_group_blocks16(d, 4, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out, m);
+        else attend_group_blocks16(d, 8, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out, m);
+        goto done;
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && D <= KV_TILE_MAX_D) {  /* blocks: each widened once per group */
-        attend_group_blocks(d, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out);
-        for (int64_t i = 0; i < group * D; i++) out[i] = rnd(d, out[i]);
-        return;
+        attend_group_blocks(d, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out, m);
+        goto done;
     }
 #endif
+    for (int64_t h = 0; h < group; h++)
+        attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D, m + 2 * h);
+done:
+    if (!chunk) round_to_dtype(d, out, group * D);
+}
+
+/* Attention over a span of 2·ATT_CHUNK keys or more runs as chunks of ATT_CHUNK keys (the
+ * last one takes the rest: fewer than 2·ATT_CHUNK), each its own unit of work, merged after
+ * by their softmax maxima and sums (flash-decoding's split of the keys): with few kv heads
+ * and rows (batch 1 of a model with 2 or 3 kv heads) the units would otherwise be fewer
+ * than the threads, which then idle through a long context. Where a row splits depends on
+ * its own span only, so a row computes the same alone as in a batch. */
+#define ATT_CHUNK 1024
+
+typedef struct {
+    int64_t unit, chunk, cache_row; /* unit: row · kv_heads + kv head */
+    int64_t base, n;                /* the chunk's keys: from element `base` of the cache row, n of them */
+} AttUnit;
+
+/* The output of `chunks` chunks (group · D floats each, `each` floats apart) of one kv head's
+ * query heads and their maxima and sums (ml, 2 · group floats a chunk), merged into out,
+ * rounded to the model dtype: out = Σ_c w_c·o_c / Σ_c w_c, w_c = sum_c · e^(max_c − max). */
+static void merge_chunks(const Dims *d, int64_t group, int64_t chunks, const float *parts, int64_t each,
+                         const float *ml, float *out) {
+    const int64_t D = d->head_dim;
     for (int64_t h = 0; h < group; h++) {
-        attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D);
-        for (int64_t i = 0; i < D; i++) out[h * D + i] = rnd(d, out[h * D + i]);
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) if (ml[c * 2 * group + 2 * h] > top) top = ml[c * 2 * group + 2 * h];
+        float *o = out + h * D;
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float w = ml[c * 2 * group + 2 * h + 1] * expf(ml[c * 2 * group + 2 * h] - top);
+            const float *p = parts + c * each + h * D;
+            total += w;
+            for (int64_t i = 0; i < D; i++) o[i] += w * p[i];
+        }
+        for (int64_t i = 0; i < D; i++) o[i] /= total;
     }
+    round_to_dtype(d, out, group * D);
 }
 
 /* transformers' LlamaRMSNorm: normalize in float32, round, then scale in the model dtype
@@ -1061,6 +1113,14 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     float *att = malloc(sizeof(float) * rows * (q_size > d->inter ? q_size : d->inter));
     uint16_t *xw = malloc(sizeof(uint16_t) * rows * wide_in);
     float *scores = malloc(sizeof(float) * rows * d->heads * capacity);
+    /* attention's units of work: (row, kv head, chunk of ATT_CHUNK keys), their chunks'
+     * outputs and each head's softmax max and sum (merge_chunks) */
+    const int64_t max_chunks = capacity >= 2 * ATT_CHUNK ? capacity / ATT_CHUNK : 1;
+    const int64_t units = rows * d->kv_heads * max_chunks;
+    AttUnit *work = malloc(sizeof(AttUnit) * units);
+    int64_t *chunks = malloc(sizeof(int64_t) * rows * d->kv_heads);
+    float *parts = max_chunks > 1 ? malloc(sizeof(float) * units * (q_size / d->kv_heads)) : NULL;
+    float *ml = malloc(sizeof(float) * units * 2 * (d->heads / d->kv_heads));
     int64_t most = act_bytes(head, H);
     for (int64_t l = 0; l < d->layers; l++) {
         const int64_t b[4] = {act_bytes(&layers[l].qkv, H), act_bytes(&layers[l].o, q_size),
@@ -1093,8 +1153,10 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     }
     const int moe_ok = d->experts <= 0 || (moe.logits && moe.weight && moe.gx && moe.gu && moe.h && moe.y && moe.chosen
                                           && moe.slot);
-    if (!x || !xn || !t || !big || !att || !xw || !scores || !xq || !moe_ok) {
+    if (!x || !xn || !t || !big || !att || !xw || !scores || !xq || !moe_ok || !work || !chunks || !ml
+        || (max_chunks > 1 && !parts)) {
         free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
+        free(work); free(chunks); free(parts); free(ml);
         free(moe.logits); free(moe.weight); free(moe.gx); free(moe.gu); free(moe.h); free(moe.y); free(moe.chosen);
         free(moe.slot);
         return -1;
@@ -1161,27 +1223,52 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             }
         }
         /* Row r sees columns [lo, its column]: from its first real token, inside the window.
-         * One unit of work is one row's kv head with the query heads that read it. */
-        #pragma omp parallel for num_threads(threads) schedule(static)
+         * One unit of work is one row's kv head with the query heads that read it, or a
+         * chunk of its keys where they are more than ATT_CHUNK. */
+        int64_t n_units = 0;
         for (int64_t u = 0; u < rows * d->kv_heads; u++) {
-            int64_t base, n, next_base = 0, next_n = 0;
+            int64_t base, n;
             const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
             const int64_t cr = cache_rows ? cache_rows[r] : r, col = columns ? columns[r] : column;
             span(d, starts ? starts[cr] : 0, L->window, col, capacity, g, &base, &n);
-            const char *kc = kl + cr * row_bytes, *vc = vl + cr * row_bytes;
-            const char *ahead_k = NULL, *ahead_v = NULL;
-            if (u + 1 < rows * d->kv_heads && d->kv_type == KV_FLOAT) {  /* the next unit's rows, prefetched while this one runs */
-                const int64_t r1 = (u + 1) / d->kv_heads, g2 = (u + 1) % d->kv_heads;
-                const int64_t r2 = cache_rows ? cache_rows[r1] : r1, col2 = columns ? columns[r1] : column;
-                span(d, starts ? starts[r2] : 0, L->window, col2, capacity, g2, &next_base, &next_n);
-                ahead_k = kl + (r2 * row_elems + next_base) * el;
-                ahead_v = vl + (r2 * row_elems + next_base) * el;
-                /* Past a few hundred keys the stream is long enough for the hardware prefetcher,
-                 * and prefetching a whole next unit would only crowd this one out of L2. */
-                if (next_n * D * el > AHEAD_MAX_BYTES) ahead_k = ahead_v = NULL, next_n = 0;
+            chunks[u] = n >= 2 * ATT_CHUNK ? n / ATT_CHUNK : 1;  /* the last one takes the rest */
+            for (int64_t c = 0; c < chunks[u]; c++)
+                work[n_units++] = (AttUnit){u, c, cr, base + c * ATT_CHUNK * D,
+                                            c + 1 < chunks[u] ? ATT_CHUNK : n - c * ATT_CHUNK};
+        }
+        const int64_t each = group * D; /* a chunk's output */
+        #pragma omp parallel num_threads(threads)
+        {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_units; i++) {
+                const AttUnit *w = &work[i];
+                const int64_t r = w->unit / d->kv_heads, g = w->unit % d->kv_heads;
+                const char *kc = kl + w->cache_row * row_bytes, *vc = vl + w->cache_row * row_bytes;
+                const char *ahead_k = NULL, *ahead_v = NULL;
+                int64_t next_n = 0;
+                if (i + 1 < n_units && d->kv_type == KV_FLOAT) {  /* the next unit's keys, prefetched while this one runs */
+                    const AttUnit *next = &work[i + 1];
+                    next_n = next->n;
+                    ahead_k = kl + (next->cache_row * row_elems + next->base) * el;
+                    ahead_v = vl + (next->cache_row * row_elems + next->base) * el;
+                    /* Past a few hundred keys the stream is long enough for the hardware prefetcher,
+                     * and prefetching a whole next unit would only crowd this one out of L2. */
+                    if (next_n * D * el > AHEAD_MAX_BYTES) ahead_k = ahead_v = NULL, next_n = 0;
+                }
+                const int chunked = chunks[w->unit] > 1;
+                float *out = chunked ? parts + (w->unit * max_chunks + w->chunk) * each : att + r * q_size + g * each;
+                attend_group(d, big + r * qkv + g * each, group, kc, vc, w->base, w->n, ahead_k, ahead_v, next_n,
+                             scores + w->unit * group * capacity + w->chunk * ATT_CHUNK, capacity, out,
+                             ml + (w->unit * max_chunks + w->chunk) * 2 * group, chunked);
             }
-            attend_group(d, big + r * qkv + g * group * D, group, kc, vc, base, n, ahead_k, ahead_v, next_n,
-                         scores + u * group * capacity, capacity, att + r * q_size + g * group * D);
+            if (n_units > rows * d->kv_heads) {  /* some spans were split: merge their chunks */
+                #pragma omp for schedule(static)
+                for (int64_t u = 0; u < rows * d->kv_heads; u++)
+                    if (chunks[u] > 1)
+                        merge_chunks(d, group, chunks[u], parts + u * max_chunks * each, each,
+                                     ml + u * max_chunks * 2 * group,
+                                     att + (u / d->kv_heads) * q_size + (u % d->kv_heads) * each);
+            }
         }
         linear(d, &L->o, L->o_bias, att, q_size, H, rows, t, xw, xq, threads);
         if (d->block != BLOCK_LLAMA) { /* sandwich / post_norm: the norm of attention's output */
@@ -1215,6 +1302,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     if (d->final_cap > 0.0f)
         for (int64_t i = 0; i < wanted * d->vocab; i++) logits[i] = tanhf(logits[i] / d->final_cap) * d->final_cap;
     free(x); free(xn); free(t); free(big); free(att); free(xw); free(scores); free(xq);
+    free(work); free(chunks); free(parts); free(ml);
     free(moe.logits); free(moe.weight); free(moe.gx); free(moe.gu); free(moe.h); free(moe.y); free(moe.chosen);
     free(moe.slot);
     return 0;

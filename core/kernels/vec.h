@@ -79,13 +79,15 @@ static inline float exp_sum(float *s, int64_t lo, int64_t n, float m, int pack) 
     return _mm512_reduce_add_ps(sum);
 }
 
-/* p[0, n) → e^(p - m) / Σ in place (a float32 softmax, m its maximum), 16 at a time. */
-static inline void softmax16(float *p, int64_t n, float m) {
-    const __m512 inv = _mm512_set1_ps(1.0f / exp_sum(p, 0, n, m, 0));
+/* p[0, n) → e^(p - m) / Σ in place (a float32 softmax, m its maximum), 16 at a time; returns Σ. */
+static inline float softmax16(float *p, int64_t n, float m) {
+    const float sum = exp_sum(p, 0, n, m, 0);
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = lanes16(j, 0, n);
         _mm512_mask_storeu_ps(p + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p + j), inv));
     }
+    return sum;
 }
 
 /* Unpacking two bf16 rows (unpacklo/hi_epi16) orders their 32 elements within 128-bit
