@@ -15,7 +15,8 @@ class Run:
     err: str
 
 
-def run_inprocess(args: list[str], capsys, stdin: bytes | None = None, monkeypatch=None) -> Run:
+def run_inprocess(args: list[str], capsys, stdin: bytes | None = None, monkeypatch=None,
+                  restore_threads: bool = True) -> Run:
     from twice.cli.app import main
 
     if stdin is not None:
@@ -40,7 +41,8 @@ def run_inprocess(args: list[str], capsys, stdin: bytes | None = None, monkeypat
         # --threads N sets torch's threads for the process: the tests after it keep theirs
         # (float sums reduce in another order on another thread count).
         sys.argv = old
-        torch.set_num_threads(threads)
+        if restore_threads:
+            torch.set_num_threads(threads)
     cap = capsys.readouterr()
     return Run(code, cap.out, cap.err)
 

@@ -103,7 +103,8 @@ def test_threads_below_one_is_one_line_before_loading(capsys, tmp_path, command)
 def test_threads_sets_torchs_thread_count(capsys, llama, threads_restored):
     import torch
 
-    r = run_inprocess(["generate", PROMPT, "-m", llama, "--raw", "-n", "3", "--threads", "1", "--json"], capsys)
+    r = run_inprocess(["generate", PROMPT, "-m", llama, "--raw", "-n", "3", "--threads", "1", "--json"], capsys,
+                      restore_threads=False)
     assert r.code == 0, r.err
     assert torch.get_num_threads() == 1
 
