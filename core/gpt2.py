@@ -2,6 +2,12 @@
 
 Checkpoints store GPT-2's projections as Conv1D weights [in, out]; the name map marks them
 `transpose` so they land in ordinary [out, in] linear layers.
+
+Tensor parallelism splits by heads and MLP units as llama's does: a rank's share of the fused
+c_attn is three column slices of the one checkpoint tensor (its q, k and v heads; columns, as
+Conv1D stores [in, out]) and of its bias three slices; c_fc its columns, both c_proj their rows
+(each rank's partial sums all-reduced before the bias is added once); embeddings, positions and
+LayerNorms whole.
 """
 
 from __future__ import annotations
@@ -12,25 +18,26 @@ from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, PlainMLP
-from .errors import UnsupportedModelError
 from .family import Family, attention_parameters
 from .fields import Fields
-from .model import CausalLM, Target
+from .model import CausalLM, Placement, Source, Target
 from .parallel import SINGLE, Shard
 
 
 class Block(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         c = config
         scale = c.head_dim**-0.5 if c.scale_attn_weights else 1.0
         if c.scale_attn_by_inverse_layer_idx:
             scale /= layer + 1
+        heads = shard.part(c.num_attention_heads, "num_attention_heads")[1]
         self.ln_1 = torch.nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.attn = CachedSelfAttention(c.hidden_size, c.num_attention_heads, c.num_attention_heads, c.head_dim,
-                                        True, True, scale=scale, layer=layer, window=None)
+        self.attn = CachedSelfAttention(c.hidden_size, heads, heads, c.head_dim, True, True, scale=scale, layer=layer,
+                                        window=None, shard=shard)
         self.ln_2 = torch.nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mlp = PlainMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        self.mlp = PlainMLP(c.hidden_size, shard.part(c.intermediate_size, "intermediate_size")[1], c.hidden_act,
+                            shard=shard)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), step, cache)
@@ -39,12 +46,10 @@ class Block(torch.nn.Module):
 
 class GPT2Model(CausalLM):
     def __init__(self, config: ModelConfig, shard: Shard = SINGLE):
-        if shard.active:
-            raise UnsupportedModelError("tensor parallelism is implemented for the llama family, not gpt2")
-        super().__init__(config)
+        super().__init__(config, shard)
         self.wte = Embedding(config.vocab_size, config.hidden_size)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = torch.nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.h = torch.nn.ModuleList(Block(config, i, shard) for i in range(config.num_hidden_layers))
         self.ln_f = torch.nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -54,7 +59,8 @@ class GPT2Model(CausalLM):
         return self.wte.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def features(self) -> frozenset[str]:
-        return frozenset({"block:gpt2", f"act:{self.config.hidden_act}", "qkv_bias", "o_bias", "mlp_bias"})
+        return frozenset({"block:gpt2", f"act:{self.config.hidden_act}", "qkv_bias", "o_bias", "mlp_bias"}
+                         | ({"tp"} if self.shard.active else set()))
 
     def hidden_states(self, input_ids: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(step.positions)
@@ -62,9 +68,12 @@ class GPT2Model(CausalLM):
             x = block(x, step, cache)
         return self.ln_f(x)
 
-    def targets(self) -> dict[str, Target]:
-        c = self.config
-        t: dict[str, Target] = {
+    def targets(self) -> dict[str, Placement]:
+        c, shard = self.config, self.shard
+        h0, hn = (x * c.head_dim for x in shard.part(c.num_attention_heads, "num_attention_heads"))
+        i0, i_n = shard.part(c.intermediate_size, "intermediate_size")
+        H, inter = c.hidden_size, c.intermediate_size
+        t: dict[str, Placement] = {
             "wte.weight": Target("wte.weight"),
             "wpe.weight": Target("wpe.weight"),
             "ln_f.weight": Target("ln_f.weight"),
@@ -79,6 +88,20 @@ class GPT2Model(CausalLM):
                              ("mlp.c_fc", "mlp.c_fc"), ("mlp.c_proj", "mlp.c_proj")):
                 t[f"{p}.{hf}.weight"] = Target(f"{p}.{ours}.weight", transpose=True)
                 t[f"{p}.{hf}.bias"] = Target(f"{p}.{ours}.bias")
+            if shard.active:  # Conv1D [in, out]: a rank's outputs are columns, its inputs rows
+                qkv = f"{p}.attn.qkv_proj"
+                t[f"{p}.attn.c_attn.weight"] = tuple(
+                    Target(f"{qkv}.weight", k * hn, hn, transpose=True, source=Source(1, k * H + h0, k * H + h0 + hn, 3 * H))
+                    for k in range(3))
+                t[f"{p}.attn.c_attn.bias"] = tuple(
+                    Target(f"{qkv}.bias", k * hn, hn, source=Source(0, k * H + h0, k * H + h0 + hn, 3 * H)) for k in range(3))
+                t[f"{p}.attn.c_proj.weight"] = Target(f"{p}.attn.o_proj.weight", transpose=True,
+                                                      source=Source(0, h0, h0 + hn, H))
+                t[f"{p}.mlp.c_fc.weight"] = Target(f"{p}.mlp.c_fc.weight", transpose=True,
+                                                   source=Source(1, i0, i0 + i_n, inter))
+                t[f"{p}.mlp.c_fc.bias"] = Target(f"{p}.mlp.c_fc.bias", source=Source(0, i0, i0 + i_n, inter))
+                t[f"{p}.mlp.c_proj.weight"] = Target(f"{p}.mlp.c_proj.weight", transpose=True,
+                                                     source=Source(0, i0, i0 + i_n, inter))
         # transformers saves GPT2LMHeadModel under "transformer."; the original
         # OpenAI-converted checkpoints carry the bare names. Accept both.
         t.update({f"transformer.{name}": target for name, target in list(t.items())})

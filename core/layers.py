@@ -115,10 +115,10 @@ class GatedMLP(torch.nn.Module):
 class PlainMLP(torch.nn.Module):
     """GPT-2's c_proj(act(c_fc(x)))."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str):
+    def __init__(self, hidden: int, intermediate: int, act: str, shard=None):
         super().__init__()
         self.c_fc = Linear(hidden, intermediate)
-        self.c_proj = Linear(intermediate, hidden)
+        self.c_proj = ReducedLinear(intermediate, hidden, bias=True, shard=shard)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,15 @@ class Target:
     def key(self) -> tuple[str, int]:
         return (self.param, self.row)
 
+    @property
+    def param_dim(self) -> int | None:
+        """The dimension of the parameter that `source` slices: the checkpoint's own, but
+        the other one where the checkpoint tensor is the parameter transposed (a GGUF file,
+        and --quantize's layouts, hold matrices as the parameter does)."""
+        if self.source is None:
+            return None
+        return 1 - self.source.dim if self.transpose else self.source.dim
+
 
 # What one checkpoint tensor fills: one place, or several where a tensor-parallel rank keeps
 # several slices of it (phi3's fused qkv_proj: its q heads, its k heads, its v heads).

@@ -329,3 +329,37 @@ def test_generate_with_the_integer_kernels(capsys, files, monkeypatch, tokenizer
     r = run_inprocess(["generate", "hello", "--model", path, "-n", "4", "--temperature", "0", "--json"], capsys)
     assert r.code == 0, r
     assert json.loads(r.out)["generated_tokens"] == 4
+
+
+@pytest.mark.parametrize("stored", ["safetensors", "q8_0", "--quantize q8_0"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_keep_their_slices(model_dirs, files, stored, rank):
+    """--tp 2: each rank's qkv_proj is three slices of the fused c_attn (its q, k and v heads;
+    columns of the Conv1D [in, out] checkpoint tensor, rows of the file's [out, in] matrix) and
+    so is its bias; c_fc its rows, o_proj and c_proj their columns, those two biases whole (added
+    once, after the all-reduce); from safetensors, from a GGUF as stored and quantized at load
+    (tests/test_parallel.py runs two ranks)."""
+    from twice.core.parallel import Shard
+
+    src, weights = (model_dirs("gpt2"), None) if stored == "safetensors" else \
+        (files("q8_0"), None) if stored == "q8_0" else (model_dirs("gpt2"), "q8_0")
+    whole = load(str(src), device="cpu", dtype="float32", weights=weights).model
+    part = load(str(src), device="cpu", dtype="float32", weights=weights, shard=Shard(rank=rank, world=2)).model
+    c = whole.config
+    H, inter = c.hidden_size, c.intermediate_size
+
+    def rows(linear) -> torch.Tensor:
+        return linear.weight.dequantize(torch.float32) if isinstance(linear, BlockLinear) else linear.weight
+
+    def mine(w: torch.Tensor, start: int, size: int, dim: int = 0) -> torch.Tensor:
+        return w.narrow(dim, start + rank * size // 2, size // 2)
+
+    assert part.kv_heads * 2 == whole.kv_heads
+    for a, b in zip(whole.h, part.h):
+        for get in (rows, lambda m: m.bias):
+            qkv = get(a.attn.qkv_proj)
+            assert torch.equal(get(b.attn.qkv_proj), torch.cat([mine(qkv, 0, H), mine(qkv, H, H), mine(qkv, 2 * H, H)]))
+            assert torch.equal(get(b.mlp.c_fc), mine(get(a.mlp.c_fc), 0, inter))
+        assert torch.equal(rows(b.attn.o_proj), mine(rows(a.attn.o_proj), 0, H, dim=1))
+        assert torch.equal(rows(b.mlp.c_proj), mine(rows(a.mlp.c_proj), 0, inter, dim=1))
+        assert torch.equal(b.attn.o_proj.bias, a.attn.o_proj.bias) and torch.equal(b.mlp.c_proj.bias, a.mlp.c_proj.bias)

@@ -54,9 +54,10 @@ def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProce
 
 def split_bytes(params: dict[str, int]) -> int:
     """Bytes of the layers' parameters that tensor parallelism splits: all but those every rank
-    holds whole (norms, a mixture's router and its shared expert's gate)."""
-    return sum(b for n, b in params.items()
-               if n.startswith("layers.") and not any(k in n for k in ("norm", "mlp.gate.", "shared_expert_gate")))
+    holds whole (norms, a mixture's router and its shared expert's gate, the biases added after
+    an all-reduce)."""
+    whole = ("norm", "ln_", "mlp.gate.", "shared_expert_gate", "o_proj.bias", "c_proj.bias", "down_proj.bias")
+    return sum(b for n, b in params.items() if n.startswith(("layers.", "h.")) and not any(k in n for k in whole))
 
 
 def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER) -> list[dict]:
@@ -69,8 +70,9 @@ def run_two_ranks(folder: Path, ids: list[int], out: Path, script: str = WORKER)
 
 # a mixture (each expert's rows split, the router and shared-expert gate replicated), gemma2
 # (sandwich norms, soft-capping), olmo2 (q/k norms over the whole projection: their squares
-# all-reduced) and phi3 (fused checkpoint tensors: three slices of qkv_proj per rank)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2", "olmo2", "phi3"])
+# all-reduced), phi3 (fused checkpoint tensors: three slices of qkv_proj per rank) and gpt2
+# (the same of Conv1D's [in, out] c_attn: three column slices, and biases)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "gemma2", "olmo2", "phi3", "gpt2"])
 def test_tp2_equals_tp1(model_dirs, tmp_path, family):
     folder = model_dirs(family)
     ids = list(range(5, 25))

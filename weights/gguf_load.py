@@ -92,7 +92,7 @@ class StoredTensors:
         layouts = {p: [(t, rows) for _, t, rows in sorted(ps)] for p, ps in parts.items() if p not in keep_float}
         for name, job in self.jobs.items():  # tensor parallelism splits rows, or columns by whole blocks
             for target in targets[name]:
-                if target.param in layouts and target.source is not None and target.source.dim == 1:
+                if target.param in layouts and target.param_dim == 1:
                     c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
                     if target.source.start % c.block_size or target.source.stop % c.block_size:
                         raise UnsupportedModelError(
@@ -126,7 +126,7 @@ class StoredTensors:
                                                 dtype=torch.uint8)
                             self._read_blocks(fd, job, whole)
                         src = target.source
-                        if src.dim == 0:
+                        if target.param_dim == 0:
                             piece = whole[src.start: src.stop]
                         else:
                             c = BY_GGML_TYPE[int(job.tensor.tensor_type)]
@@ -149,7 +149,7 @@ class StoredTensors:
                         if not bool(torch.isfinite(weight).all()):
                             raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
                     src = target.source
-                    dest.copy_(weight if src is None else weight.narrow(src.dim, src.start, src.stop - src.start))
+                    dest.copy_(weight if src is None else weight.narrow(target.param_dim, src.start, src.stop - src.start))
 
     def _read_blocks(self, fd: int, job: _TensorJob, dest: torch.Tensor) -> None:
         """The tensor's bytes as stored into `dest` (uint8 [rows, row_bytes]), rows put back

@@ -81,9 +81,9 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
             continue
         rows = sum(t.rows if t.rows is not None else p.shape[0] for t in places)
         columns[hf] = p.shape[1]
-        # The type follows the whole checkpoint tensor's shape (a rank holds a slice of it).
-        src = t.source
-        shapes[hf] = (src.total if src and src.dim == 0 else rows, src.total if src and src.dim == 1 else p.shape[1])
+        # The type follows the whole tensor's shape (a rank holds a slice of it), as the parameter holds it.
+        src, dim = t.source, t.param_dim
+        shapes[hf] = (src.total if dim == 0 else rows, src.total if dim == 1 else p.shape[1])
     from twice.core.quant import codec
 
     types = memory_types(model.config, mixture, shapes)
