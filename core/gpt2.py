@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .layers import Embedding, Linear, PlainMLP
 from .family import Family, attention_parameters
 from .fields import Fields
-from .model import CausalLM, Placement, Source, Target
+from .model import CausalLM, Placement, Source, Target, fused
 from .parallel import SINGLE, Shard
 
 
@@ -90,11 +90,10 @@ class GPT2Model(CausalLM):
                 t[f"{p}.{hf}.bias"] = Target(f"{p}.{ours}.bias")
             if shard.active:  # Conv1D [in, out]: a rank's outputs are columns, its inputs rows
                 qkv = f"{p}.attn.qkv_proj"
-                t[f"{p}.attn.c_attn.weight"] = tuple(
-                    Target(f"{qkv}.weight", k * hn, hn, transpose=True, source=Source(1, k * H + h0, k * H + h0 + hn, 3 * H))
-                    for k in range(3))
-                t[f"{p}.attn.c_attn.bias"] = tuple(
-                    Target(f"{qkv}.bias", k * hn, hn, source=Source(0, k * H + h0, k * H + h0 + hn, 3 * H)) for k in range(3))
+                t[f"{p}.attn.c_attn.weight"] = fused([Target(f"{qkv}.weight", k * hn, hn, transpose=True,
+                                                             source=Source(1, h0, h0 + hn, H)) for k in range(3)])
+                t[f"{p}.attn.c_attn.bias"] = fused([Target(f"{qkv}.bias", k * hn, hn, source=Source(0, h0, h0 + hn, H))
+                                                    for k in range(3)])
                 t[f"{p}.attn.c_proj.weight"] = Target(f"{p}.attn.o_proj.weight", transpose=True,
                                                       source=Source(0, h0, h0 + hn, H))
                 t[f"{p}.mlp.c_fc.weight"] = Target(f"{p}.mlp.c_fc.weight", transpose=True,

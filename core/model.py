@@ -157,23 +157,31 @@ def fused_rows(prefix_hf: str, param: str, names: tuple[str, ...], parts: tuple[
     return out
 
 
-def fuse(targets: dict[str, Placement], fused: str, names: tuple[str, ...]) -> None:
-    """A checkpoint that stores as one tensor `fused` what others store as `names` (phi3's
-    qkv_proj for q/k/v_proj, rows q | k | v): the entries `names` (consecutive rows of one
-    parameter, as fused_rows made them) become one entry for `fused`: one Target when this
-    rank keeps the whole tensor, else one per part, each reading its rows of the fused tensor."""
-    parts = [targets.pop(n) for n in names]
-    assert all(isinstance(p, Target) and p.rows is not None and p.param == parts[0].param for p in parts)
+def fused(parts: list[Target]) -> Placement:
+    """What one checkpoint tensor fills that stacks `parts` along one dimension (phi3's
+    qkv_proj: rows q | k | v; GPT-2's c_attn: columns q | k | v), each part a Target as if it
+    were a tensor of its own (its `source`, if any, this rank's slice of that part), filling
+    consecutive rows of one parameter: one Target when this rank keeps the whole tensor, else
+    one per part, its slice offset into the whole."""
+    first = parts[0]
+    assert all(p.rows is not None and p.param == first.param and p.transpose == first.transpose for p in parts)
     if all(p.source is None for p in parts):
-        targets[fused] = Target(parts[0].param, parts[0].row, sum(p.rows for p in parts))
-        return
-    total = sum(p.source.total if p.source else p.rows for p in parts)
+        return Target(first.param, first.row, sum(p.rows for p in parts), transpose=first.transpose)
+    dim = next(p.source.dim for p in parts if p.source is not None)
+    sizes = [p.source.total if p.source else p.rows for p in parts]  # each part's extent in the whole
     out, offset = [], 0
-    for p in parts:
+    for p, size in zip(parts, sizes):
         start, stop = (p.source.start, p.source.stop) if p.source else (0, p.rows)
-        out.append(Target(p.param, p.row, p.rows, source=Source(0, offset + start, offset + stop, total)))
-        offset += p.source.total if p.source else p.rows
-    targets[fused] = tuple(out)
+        out.append(Target(p.param, p.row, p.rows, transpose=p.transpose,
+                          source=Source(dim, offset + start, offset + stop, sum(sizes))))
+        offset += size
+    return tuple(out)
+
+
+def fuse(targets: dict[str, Placement], name: str, names: tuple[str, ...]) -> None:
+    """A checkpoint that stores as one tensor `name` what others store as `names` (phi3's
+    qkv_proj for q/k/v_proj): the entries `names` (as fused_rows made them) become one entry."""
+    targets[name] = fused([targets.pop(n) for n in names])
 
 
 def columns(param: str, start: int, size: int, total: int) -> Target:
