@@ -23,23 +23,11 @@ LONG = 3100  # cached tokens before the steps: chunks of 1024, 1024 and the rest
 @pytest.fixture(scope="module")
 def long_dirs(tmp_path_factory, tokenizer):
     """tiny.py's families with room for LONG positions."""
-    from transformers import AutoModelForCausalLM
-
     root, built = tmp_path_factory.mktemp("long"), {}
 
     def get(family: str):
         if family not in built:
-            config = tiny.hf_config(family)
-            config.max_position_embeddings = 4096
-            torch.manual_seed(4)
-            model = AutoModelForCausalLM.from_config(config).eval()
-            if family.startswith("gemma"):  # transformers starts gemma's (1 + w) norms at w = 0
-                for name, p in model.named_parameters():
-                    if "norm" in name:
-                        p.normal_(0.0, 0.3)
-            model.save_pretrained(root / family)
-            tiny.save_tokenizer(root / family, tokenizer)
-            built[family] = root / family
+            built[family] = tiny.make_model(root / family, family, tokenizer, seed=4, max_position_embeddings=4096)
         return built[family]
 
     return get

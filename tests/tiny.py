@@ -189,12 +189,16 @@ def gemma_config(family: str, common: dict):
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2", "mixtral", "qwen3_moe", "qwen3_moe-nonorm", "qwen2_moe", "gemma2", "gemma3"]
 
 
-def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0) -> Path:
+def make_model(folder: Path, family: str, tok: Tokenizer, seed: int = 0, **config) -> Path:
+    """The tiny random `family` model (`config`: fields that replace its config's) in folder."""
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    hf = hf_config(family)
+    for key, value in config.items():
+        setattr(hf, key, value)
+    model = AutoModelForCausalLM.from_config(hf).eval()
     if family.startswith("gemma"):  # transformers starts gemma's (1 + w) norms at w = 0
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -79,7 +79,7 @@ def _mixture_layouts(model: CausalLM, mixture: str) -> dict[str, list[tuple[str,
         p = params.get(t.param)
         if p is None or p.dim() != 2:
             continue
-        rows = sum(t.rows if t.rows is not None else p.shape[0] for t in places)
+        rows = sum(q.rows if q.rows is not None else p.shape[0] for q in places)
         columns[hf] = p.shape[1]
         # The type follows the whole tensor's shape (a rank holds a slice of it), as the parameter holds it.
         src, dim = t.source, t.param_dim

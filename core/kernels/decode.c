@@ -853,6 +853,7 @@ done:
  * than the threads, which then idle through a long context. Where a row splits depends on
  * its own span only, so a row computes the same alone as in a batch. */
 #define ATT_CHUNK 1024
+static inline int64_t span_chunks(int64_t n) { return n >= 2 * ATT_CHUNK ? n / ATT_CHUNK : 1; }
 
 typedef struct {
     int64_t unit, chunk, cache_row; /* unit: row · kv_heads + kv head */
@@ -1115,7 +1116,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
     float *scores = malloc(sizeof(float) * rows * d->heads * capacity);
     /* attention's units of work: (row, kv head, chunk of ATT_CHUNK keys), their chunks'
      * outputs and each head's softmax max and sum (merge_chunks) */
-    const int64_t max_chunks = capacity >= 2 * ATT_CHUNK ? capacity / ATT_CHUNK : 1;
+    const int64_t max_chunks = span_chunks(capacity);  /* no span is longer than the cache */
     const int64_t units = rows * d->kv_heads * max_chunks;
     AttUnit *work = malloc(sizeof(AttUnit) * units);
     int64_t *chunks = malloc(sizeof(int64_t) * rows * d->kv_heads);
@@ -1224,14 +1225,14 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
         }
         /* Row r sees columns [lo, its column]: from its first real token, inside the window.
          * One unit of work is one row's kv head with the query heads that read it, or a
-         * chunk of its keys where they are more than ATT_CHUNK. */
+         * chunk of its keys where they are 2·ATT_CHUNK or more. */
         int64_t n_units = 0;
         for (int64_t u = 0; u < rows * d->kv_heads; u++) {
             int64_t base, n;
             const int64_t r = u / d->kv_heads, g = u % d->kv_heads;
             const int64_t cr = cache_rows ? cache_rows[r] : r, col = columns ? columns[r] : column;
             span(d, starts ? starts[cr] : 0, L->window, col, capacity, g, &base, &n);
-            chunks[u] = n >= 2 * ATT_CHUNK ? n / ATT_CHUNK : 1;  /* the last one takes the rest */
+            chunks[u] = span_chunks(n);  /* the last one takes the rest */
             for (int64_t c = 0; c < chunks[u]; c++)
                 work[n_units++] = (AttUnit){u, c, cr, base + c * ATT_CHUNK * D,
                                             c + 1 < chunks[u] ? ATT_CHUNK : n - c * ATT_CHUNK};
