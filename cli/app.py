@@ -26,7 +26,7 @@ except ValueError:  # not the main thread: leave signals alone
 
 import typer  # noqa: E402
 
-from .errors import DEBUG, run_guarded, signals_installed  # noqa: E402
+from .errors import DEBUG, fail, run_guarded, signals_installed  # noqa: E402
 
 app = typer.Typer(
     name="twice",
@@ -93,11 +93,43 @@ finally:
         _signal.signal(_signal.SIGINT, _previous_sigint)
 
 
+def _usage_error(e) -> str:
+    """A command line Click cannot parse (an unknown option or command, a value of the wrong
+    type, a missing argument) as the one line every other bad input gets, with where the
+    options are listed."""
+    message = " ".join(e.format_message().split()).rstrip(".")
+    if message[1:2].islower():  # as our own messages: "no such option: ...", not "No such option"
+        message = message[0].lower() + message[1:]
+    ctx = getattr(e, "ctx", None)
+    return f"{message} (see '{ctx.command_path} -h')" if ctx is not None else message
+
+
+def _run_app() -> None:
+    import importlib
+
+    # Click's exceptions, from the Click typer uses (newer typers carry their own copy).
+    click = importlib.import_module(typer.BadParameter.__module__)
+    no_args_help = getattr(click, "NoArgsIsHelpError", ())
+    try:
+        # Not standalone: Click's usage errors come here instead of being drawn as a panel.
+        code = app(prog_name="twice", standalone_mode=False)  # the name completion scripts and usage lines use
+    except no_args_help as e:
+        raise SystemExit(e.exit_code) from None  # the help is already printed (`twice` alone)
+    except click.ClickException as e:
+        fail(_usage_error(e), e.exit_code)
+    except typer.Abort:  # end of input at one of Click's own prompts
+        fail("aborted", 1)
+    if code == 130:  # typer's Ctrl-C while it parsed the arguments (returned, not raised)
+        raise KeyboardInterrupt
+    if isinstance(code, int) and code:  # `typer.Exit(code)` comes back as a return value here
+        raise SystemExit(code)
+
+
 def main() -> None:
     """The console entry point: see errors.py for the exit codes and signals."""
     try:
         with signals_installed():
-            run_guarded(lambda: app(prog_name="twice"))  # the name completion scripts and usage lines use
+            run_guarded(_run_app)
     finally:
         # The interpreter's final garbage collections walk every object torch created
         # (~0.3 s after each run, and after a Ctrl-C); freezing them skips those walks.

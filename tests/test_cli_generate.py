@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from clirun import run_inprocess, run_subprocess
+from clirun import one_error_line, run_inprocess, run_subprocess
 
 RAW_PROMPT = "Prefill runs the prompt once; decode feeds one token at a time."
 CHAT_PROMPT = "Hello world"
@@ -51,12 +51,8 @@ def gen_json(capsys, *args, **kw) -> dict:
 
 
 def one_line_error(r, code: int = 2) -> str:
-    assert r.code == code, (r.out, r.err)
-    assert r.out == ""
-    assert "Traceback" not in r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
-    return lines[0]
+    assert r.out == "", r
+    return one_error_line(r, code)
 
 
 def no_template_copy(model_dirs, tmp_path):

@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # any style: colour, bold, dim, italic, reset
 PROMPT = "Prefill runs the prompt once; decode feeds one token at a time."
@@ -24,14 +24,6 @@ PROMPT = "Prefill runs the prompt once; decode feeds one token at a time."
 @pytest.fixture(scope="module")
 def llama(model_dirs):
     return str(model_dirs("llama"))
-
-
-def one_line_error(r, code: int = 2) -> str:
-    assert r.code == code, (r.out, r.err)
-    assert "Traceback" not in r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twice: error: "), r.err
-    return lines[0]
 
 
 @pytest.fixture
@@ -97,7 +89,7 @@ def test_threads_below_one_is_one_line_before_loading(capsys, tmp_path, command)
     args = {"generate": ["generate", "hi"], "chat": ["chat"], "batch": ["batch", str(tmp_path / "in.txt")],
             "bench": ["bench"]}[command]
     r = run_inprocess([*args, "-m", str(tmp_path / "no-such-model"), "--threads", "0"], capsys)
-    assert "--threads must be at least 1, got 0" in one_line_error(r)
+    assert "--threads must be at least 1, got 0" in one_error_line(r)
 
 
 def test_threads_sets_torchs_thread_count(capsys, llama, threads_restored):
@@ -168,7 +160,7 @@ def test_dtype_reason_in_json_timing_and_info(capsys, monkeypatch, llama):
 def test_an_invalid_auto_dtype_pin_is_one_line(capsys, monkeypatch, llama, command):
     monkeypatch.setenv("TWICE_CPU_AUTO_DTYPE", "bf16")
     args = {"generate": ["generate", "hi", "-m", llama], "info": ["info", llama], "chat": ["chat", "-m", llama]}
-    line = one_line_error(run_inprocess(args[command], capsys))
+    line = one_error_line(run_inprocess(args[command], capsys))
     assert "TWICE_CPU_AUTO_DTYPE=bf16" in line and "float32 or bfloat16" in line
 
 
@@ -197,6 +189,27 @@ def test_completion_is_typers(capsys):
     env = {"_TWICE_COMPLETE": "complete_bash", "COMP_WORDS": "twice gen", "COMP_CWORD": "1", "PATH": "/usr/bin:/bin"}
     p = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0 and p.stdout.split() == ["generate"], (p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("args, message, hint", [
+    (["generate", "hi", "--max-tokens", "3"], "no such option: --max-tokens", "twice generate -h"),
+    (["generate", "hi", "--max-new-tokens", "abc"], "'--max-new-tokens'", "twice generate -h"),
+    (["generate", "hi", "--kv-dtype"], "'--kv-dtype' requires an argument", None),  # Click gives no context
+    (["batch"], "missing argument 'input'", "twice batch -h"),
+    (["frobnicate"], "no such command 'frobnicate'", "twice -h"),
+])
+def test_a_command_line_click_cannot_parse_is_one_line(capsys, args, message, hint):
+    """Unknown options and commands, values of the wrong type, missing arguments: the same one
+    line as every other bad input (Click would draw a usage panel), saying where the options are."""
+    line = one_error_line(run_inprocess(args, capsys))
+    assert message in line, line
+    if hint:
+        assert line.endswith(f"(see '{hint}')"), line
+
+
+def test_no_arguments_still_print_the_help(capsys):
+    r = run_inprocess([], capsys)
+    assert r.code == 2 and "Usage: twice" in r.out and "generate" in r.out and "error" not in r.err
 
 
 # -- item 13: NO_COLOR means no styles at all --------------------------------------------------------
