@@ -221,6 +221,15 @@ def test_missing_model_and_device_errors_are_one_line(capsys, llama, tmp_path):
     assert "device" in message and "tpu" in message
 
 
+def test_an_unknown_model_name_lists_the_packaged_names(capsys, tmp_path):
+    message = one_line_error(gen(capsys, "Hello", "-m", "smollm2"))
+    assert "qwen2.5-coder-0.5b-instruct-q4_k_m" in message and message.endswith("did you mean smollm2-135m-instruct?")
+    message = one_line_error(gen(capsys, "Hello", "-m", "qwen2.5-coder-1.5"))
+    assert message.endswith("did you mean qwen2.5-coder-1.5b-instruct-q4_k_m?")
+    assert "did you mean" not in one_line_error(gen(capsys, "Hello", "-m", "zzz"))
+    assert "did you mean" not in one_line_error(gen(capsys, "Hello", "-m", str(tmp_path / "smollm2")))
+
+
 # -- chat, raw, system ---------------------------------------------------------------------------
 def test_chat_raw_and_system_shape_the_prompt(capsys, llama):
     chat = gen_json(capsys, CHAT_PROMPT, "-m", llama, "-n", "2", "--chat")

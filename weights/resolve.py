@@ -13,6 +13,7 @@ folder instead (today's float path, `--dequantize`).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -61,7 +62,12 @@ def resolve(ref: str | None, revision: str | None = None, progress=None, dequant
         raise ModelNotFoundError(f"{ref}: not a regular file or a folder; give a model folder or a .gguf file")
     if _HUB_ID.match(ref) and not ref.startswith((".", "/", "~")):
         return hub_snapshot(ref, revision)
-    raise ModelNotFoundError(f"{ref}: no such folder, and not a Hugging Face Hub id (org/name)")
+    known = [DEFAULT_MODEL, *packaged.names()]
+    # "smollm2" for "smollm2-135m-instruct": a name's start or a near spelling
+    close = [] if "/" in ref else ([k for k in known if k.startswith(ref.lower())]
+                                   or difflib.get_close_matches(ref.lower(), known, n=1))
+    raise ModelNotFoundError(f"{ref}: no such folder, and not a Hugging Face Hub id (org/name) or a packaged "
+                             f"model ({', '.join(known)})" + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def hub_snapshot(repo_id: str, revision: str | None) -> Path:
