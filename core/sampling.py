@@ -158,12 +158,17 @@ class Sampler:
                 x = x[candidates]
             else:
                 candidates, x = candidates[: p.top_k], values[: p.top_k]
-        x = x / p.temperature
+        # The largest logit subtracted first: a tiny temperature (1e-38) then sends the others to
+        # -inf and leaves the largest at 0 (greedy, as its limit is), where x / T alone would
+        # overflow to inf and the softmax to NaN.
+        x = (x - x.max()) / p.temperature
         probs = torch.softmax(x, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+            # Drop a token when the tokens ranked above it already reach top_p; the first always
+            # stays (a top_p below float32's smallest number would otherwise drop it too).
             drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+            drop_sorted[0] = False
             probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -42,3 +42,21 @@ def test_ties_at_the_kth_value_are_all_kept():
     logits[:5] = 1.0  # five tokens tie for the top 3 places
     sampler = Sampler([SamplingParams(temperature=1.0, top_k=3, seed=4)], [[]], 100, "cpu")
     assert {int(sampler(logits[None])[0]) for _ in range(300)} == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-38, top_k=0, top_p=1.0, min_p=0.0, seed=1),  # logits / T alone: inf, then NaN
+    SamplingParams(temperature=1e-38, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+    SamplingParams(temperature=0.8, top_k=0, top_p=5e-324, min_p=0.0, seed=1),  # 0 in float32
+    SamplingParams(temperature=0.8, top_k=40, top_p=1e-45, min_p=0.0, seed=1),
+])
+def test_extreme_but_valid_settings_are_greedy_not_garbage(params):
+    """The limits of sampling: a temperature near 0 and a top-p near 0 keep only the most
+    likely token, whatever the logits' scale."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 30
+    sampler = Sampler([params] * 3, [[]] * 3, 1000, "cpu")
+    for _ in range(5):
+        assert sampler(logits).tolist() == logits.argmax(-1).tolist()
+    for row in range(3):
+        probs = sampler.distribution(row, logits[row])
+        assert torch.isfinite(probs).all() and probs[logits[row].argmax()] == 1.0
