@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -21,6 +22,7 @@ from . import options as o
 from .app import app
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+DRAIN_GRACE = 5.0  # seconds past --drain-seconds for the cancelled requests' replies
 
 
 @app.command()
@@ -40,7 +42,8 @@ def serve(
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests decoded together (rows of the "
                                                                "KV cache).")] = 8,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting for a row; beyond it, "
-                                                               "429 with Retry-After.")] = 64,
+                                                               "429 with Retry-After (0: none waits; a "
+                                                               "request that finds a free row always runs).")] = 64,
     drain_seconds: Annotated[float, typer.Option("--drain-seconds", help="On SIGTERM, how long requests in "
                                                                         "flight may take to finish.")] = 30.0,
     cors: Annotated[Optional[list[str]], typer.Option("--cors", help="Allow browser requests from this origin "
@@ -144,8 +147,11 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
         if host not in LOCAL_HOSTS and api_key is None:
             _say(f"note: listening on {host} without an API key: anyone who can reach this address can use the "
                  "model (--api-key or TWICE_API_KEY)")
+        # uvicorn cancels the tasks still running at its graceful timeout (their clients then get a
+        # bare 500): the worker cancels the requests at --drain-seconds instead, and their replies
+        # (503 `draining`) get DRAIN_GRACE more seconds to be written.
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=drain_seconds, log_config=None)
+                                timeout_graceful_shutdown=drain_seconds + DRAIN_GRACE, log_config=None)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
 
@@ -154,6 +160,9 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
                 if not state.draining:
                     state.draining = True
                     _say(f"draining: finishing requests in flight (at most {drain_seconds:g} s)")
+                    deadline = threading.Timer(drain_seconds, worker.cancel_all)
+                    deadline.daemon = True
+                    deadline.start()
                 if self.should_exit:
                     self.force_exit = True
                 self.should_exit = True

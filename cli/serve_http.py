@@ -57,6 +57,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def json_bytes(self) -> bytes:
+        """The body as ASCII JSON: a message or param quoting the request (a key holding a lone
+        surrogate) is escaped, where UTF-8 could not encode it."""
+        return json.dumps(self.body()).encode()
+
 
 def error_body(status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> dict:
     return ApiError(status, message, type, code).body()
@@ -123,6 +128,11 @@ class Worker:
     def cancel(self, seq_id: int) -> None:
         self.inbox.put(("cancel", seq_id))
 
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (the drain's deadline): each ends with a Done whose
+        finish is "cancelled", which its reply turns into a 503 `draining`."""
+        self.inbox.put(("cancel_all",))
+
     @property
     def queued(self) -> int:
         return self.snapshot.waiting + self.pending
@@ -166,6 +176,9 @@ class Worker:
                     future.set_result(seq_id)
                 elif command[0] == "cancel":
                     s.cancel(command[1])
+                elif command[0] == "cancel_all":
+                    for seq_id in list(self.sinks):
+                        s.cancel(seq_id)
             if self._stop.is_set():
                 for seq_id in list(self.sinks):
                     s.cancel(seq_id)
@@ -190,8 +203,8 @@ class Worker:
                                                  s.prefix_min, s.retained_most, s.decode_prefill)
                 self._publish()
                 continue
+            self._publish()  # first: a client that has its token sees the rows that step left running
             self._dispatch(events)
-            self._publish()
 
     def _dispatch(self, events) -> None:
         from twice.core.engine import Done, TokenEvent
@@ -330,7 +343,7 @@ class Parser:
                 temperature=f.float("temperature", base.sampling.temperature, lo=0, hi=2),
                 top_k=base.sampling.top_k if top_k is None else max(0, top_k),
                 top_p=f.float("top_p", base.sampling.top_p, lo=0, hi=1, lo_open=True),
-                min_p=f.float("min_p", base.sampling.min_p, lo=0, hi=1),
+                min_p=f.float("min_p", base.sampling.min_p, lo=0, hi=1, hi_open=True),
                 repetition_penalty=f.float("repetition_penalty", base.sampling.repetition_penalty, lo=0, hi=10,
                                            lo_open=True),
                 seed=f.int("seed", base.sampling.seed, lo=0, hi=2**63 - 1))
@@ -345,6 +358,8 @@ class Parser:
                 raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
             if any(len(x) > 1000 for x in stops):
                 raise ApiError(400, "a stop string may be at most 1000 characters", param="stop")
+            if not all(_encodable(x) for x in stops):
+                raise ApiError(400, "a stop string holds a lone surrogate (not UTF-8 text)", param="stop")
             stream = f.bool("stream", False)
             options = Fields(f.dict("stream_options", {}), "request: stream_options", PromptError)
             extra = sorted(set(options.data) - {"include_usage", "continuous_usage_stats"})
@@ -448,6 +463,14 @@ class Parser:
             raise ApiError(400, str(e), param="response_format", code="invalid_schema") from None
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _strip_source(message: str) -> str:
     return message.removeprefix("request: ")
 
@@ -545,11 +568,12 @@ def create_app(state: State):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="twice", docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
+    app = FastAPI(title="twice", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     config = state.config
 
-    def error_response(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    def error_response(e: ApiError) -> Response:
+        return Response(e.json_bytes(), status_code=e.status, headers=e.headers, media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
@@ -570,8 +594,17 @@ def create_app(state: State):
     async def read_body(request: HttpRequest):
         from twice.core.fields import describe_json_error, loads
 
+        from starlette.requests import ClientDisconnect
+
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        while True:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except ClientDisconnect:  # the client went away mid-upload: nobody to answer
+                raise ApiError(499, "client closed the request", code="client_closed") from None
             size += len(chunk)
             if size > config.max_body:
                 raise ApiError(413, f"the request body is more than the {config.max_body:,} bytes allowed",
@@ -588,24 +621,26 @@ def create_app(state: State):
             raise ApiError(400, f"the request body is not valid JSON: {describe_json_error(e)}",
                            code="invalid_json") from None
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD wherever GET works (HTTP's rule)
     async def health():
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])  # HEAD wherever GET works (HTTP's rule)
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": state.created,
                                             "owned_by": "twice"}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD wherever GET works (HTTP's rule)
     async def metrics():
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
     def check_queue():
-        if state.worker.queued >= config.max_queue:
+        worker = state.worker  # its snapshot: the scheduler itself belongs to the worker's thread
+        would_wait = worker.snapshot.running + worker.queued >= worker.scheduler.max_batch
+        if would_wait and worker.queued >= config.max_queue:
             raise ApiError(429, f"too many requests waiting ({config.max_queue}, --max-queue); retry later",
                            "rate_limit_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER)})
 
@@ -704,12 +739,16 @@ def create_app(state: State):
                 try:
                     event = await next_event(events, request, seq_id, poll=False)
                 except ApiError as e:
-                    yield sse(e.body())
+                    yield b"data: " + e.json_bytes() + b"\n\n"
                     finished = True
                     return
                 if isinstance(event, Done):
                     r = event.result
                     finished = True
+                    if r.finish_reason == "cancelled" and state.draining:
+                        yield b"data: " + ApiError(503, "the server shut down before the reply was done",
+                                                   "server_error", "draining").json_bytes() + b"\n\n"
+                        return
                     yield sse(reply.envelope([reply.choice("", FINISH.get(r.finish_reason, "stop"), [], delta=True)],
                                              chunk=True))
                     if job.include_usage:
@@ -782,7 +821,7 @@ class Guard:
                                   "allowed", code="body_too_large")
         try:
             if error is not None:
-                body = json.dumps(error.body()).encode()
+                body = error.json_bytes()
                 extra = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
                 await counted({"type": "http.response.start", "status": error.status,
                                "headers": [(b"content-type", b"application/json"),

@@ -104,6 +104,10 @@ def json_schema(schema, name: str = "") -> ConstraintSpec:
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"{name + ': ' if name else ''}a JSON schema must be an object, got "
                               f"{type(schema).__name__}")
+    if schema is False:
+        raise ConstraintError(f"{name + ': ' if name else ''}the JSON schema false can never be satisfied")
+    if schema is True:  # JSON Schema's "anything", which llguidance takes only as an object
+        schema = {}
     return ConstraintSpec("json_schema", json.dumps(schema), name)
 
 
@@ -250,6 +254,14 @@ class Constraint:
         self._eos_ids = list(self.tokenizer.eos_tokens)
         self.error: str | None = None
         self.tokens = 0
+        # A grammar whose language is empty (a regex like [^\s\S], a rule that only recurses)
+        # passes validation yet allows no first token, not even EOS: refused here, before the
+        # request runs, instead of ending at once with an empty "stop".
+        self.mask()
+        if self.error is not None or (self.matcher.is_stopped() and not self.matcher.is_accepting()):
+            why = f" ({_first_lines(self.error)})" if self.error else ""
+            raise ConstraintError(f"{spec._where()}the {_WHAT[spec.kind]} can never be satisfied: it allows no "
+                                  f"output at all{why}")
 
     def mask(self):
         """The tokens allowed next: bool [vocab_size] on the CPU (ids beyond the tokenizer's
@@ -290,10 +302,13 @@ class Constraint:
 
 
 # -- helpers -----------------------------------------------------------------------------
+_WHAT = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "lark": "Lark grammar", "gbnf": "GBNF grammar"}
+
+
 def _describe(spec: ConstraintSpec, message: str) -> str:
     text = _first_lines(message)
-    what = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-            "lark": "Lark grammar", "gbnf": "GBNF grammar"}[spec.kind]
+    what = _WHAT[spec.kind]
     if text.lower().startswith("unsatisfiable"):
         return f"the {what} can never be satisfied ({text})"
     return f"invalid {what} ({text})"

@@ -139,11 +139,11 @@ class Fields:
         return value
 
     def float(self, key: str, default: Any = _MISSING, *, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False) -> Any:
+              lo_open: bool = False, hi_open: bool = False) -> Any:
         value = self._get(key, default)
         if value is default and default is not _MISSING:
             return value
-        wanted = _range_words("a number", lo, hi, lo_open)
+        wanted = _range_words("a number", lo, hi, lo_open, hi_open)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._fail(key, wanted, value)
         try:
@@ -154,7 +154,7 @@ class Fields:
             raise self._fail(key, wanted, value)
         if lo is not None and (number < lo or (lo_open and number == lo)):
             raise self._fail(key, wanted, value)
-        if hi is not None and number > hi:
+        if hi is not None and (number > hi or (hi_open and number == hi)):
             raise self._fail(key, wanted, value)
         return number
 
@@ -212,10 +212,10 @@ def _number(x) -> str:
     return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
-def _range_words(kind: str, lo, hi, lo_open: bool = False) -> str:
+def _range_words(kind: str, lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
     lo_text, hi_text = (None if lo is None else _number(lo)), (None if hi is None else _number(hi))
     if lo is not None and hi is not None:
-        return f"{kind} in [{lo_text}, {hi_text}]" if not lo_open else f"{kind} in ({lo_text}, {hi_text}]"
+        return f"{kind} in {'(' if lo_open else '['}{lo_text}, {hi_text}{')' if hi_open else ']'}"
     if lo is not None:
         if lo == 1 and kind == "an integer" and not lo_open:
             return "a positive integer"

@@ -280,9 +280,9 @@ def test_api_key_queue_limit_and_cors(model, tmp_path_factory):
         assert httpx.get(s.url + "/v1/models", headers=good).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
+        # --max-queue 0: a request that finds its row free runs (the full rows' 429: below)
         r = _post(s, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, **good)
-        _error(r, 429, "queue_full")
-        assert r.headers["retry-after"] == "1"
+        assert r.status_code == 200, r.text
         pre = httpx.options(s.url + "/v1/completions", headers={"origin": "https://app.example",
                                                                  "access-control-request-method": "POST"})
         assert pre.headers["access-control-allow-origin"] == "https://app.example"
@@ -309,6 +309,35 @@ def test_response_format_json_schema_output_parses(server, model):
                                                                           "json_schema": {"schema": {"type": 5}}}}),
                400, "invalid_schema")
     assert "\n" not in e["message"]
+
+
+def test_odd_requests_found_by_a_hostile_client(server, model):
+    """Each was a 500, a redirect, a 405 or an empty 200 before: a key or a stop string with a
+    lone surrogate (escaped JSON), HEAD, a trailing slash, a grammar whose language is empty,
+    JSON Schema's `true`."""
+    ok = {"model": model, "prompt": "hi", "max_tokens": 2}
+    e = _error(_post(server, "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "\\udc00x": 1}'), 400,
+               "unknown_field")
+    assert "\\udc00" in e["message"]
+    _error(_post(server, "/v1/completions", {**ok, "stream": True, "stream_options": {"\udc00": 1}}), 400,
+           "unknown_field")
+    _error(_post(server, "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "stop": "\\ud800"}'), 400)
+    for path in ("/health", "/v1/models", "/metrics"):
+        assert httpx.head(server.url + path).status_code == 200, path
+    r = httpx.get(server.url + "/v1/models/", headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+    pytest.importorskip("llguidance")
+    for fmt in ({"type": "regex", "regex": "[^\\s\\S]"}, {"type": "lark", "grammar": "start: start"},
+                {"type": "gbnf", "grammar": "root ::= root"}):
+        e = _error(_post(server, "/v1/completions", {**ok, "response_format": fmt}), 400)
+        assert "can never be satisfied" in e["message"], e
+    r = _post(server, "/v1/completions", {**ok, "max_tokens": 6, "response_format":
+                                          {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}})
+    assert r.status_code == 200, r.text
+    _error(_post(server, "/v1/completions", {**ok, "response_format":
+                                             {"type": "json_schema", "json_schema": {"name": "no", "schema": False}}}),
+           400, "invalid_schema")
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # and it still serves
 
 
 def test_a_shared_system_prompt_is_prefilled_once(server, model):
@@ -359,6 +388,30 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model, tmp_path_facto
     assert any("draining" in line for line in s.lines)
 
 
+@pytest.mark.slow
+def test_requests_past_the_drain_deadline_end_with_a_503_not_a_bare_500(model, tmp_path_factory):
+    """SIGTERM with --drain-seconds 0 while a request is still prefilling (one token a step):
+    the worker cancels it at the deadline and its stream ends with the `draining` error event
+    (uvicorn's own timeout would have cut it with a plain-text 500 and a traceback); exit 0."""
+    s = Server(["-m", model, "--dtype", "float32", "--drain-seconds", "0", "--prefill-chunk", "1", "--threads", "1"],
+               _env(tmp_path_factory))
+    body = {"model": model, "messages": [{"role": "user", "content": "drain " * 25}], "max_tokens": 40,
+            "stream": True}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:  # the role chunk: sent before the prompt's prefill starts
+                if line.startswith("data: {"):
+                    break
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+    s.proc.wait(120)
+    s.reader.join(10)
+    assert s.proc.returncode == 0, "".join(s.lines)
+    assert rest and json.loads(rest[-1][6:])["error"]["code"] == "draining", (rest, "".join(s.lines))
+    assert not any("Traceback" in line for line in s.lines), "".join(s.lines)
+
+
 class _IdleScheduler:
     """What Worker reads of a scheduler with nothing to do."""
 
@@ -371,6 +424,41 @@ class _IdleScheduler:
         @staticmethod
         def to_dict():
             return {}
+
+
+@pytest.mark.parametrize("running, waiting, max_queue, refused", [
+    (1, 0, 0, True),  # the one row busy, no waiting allowed
+    (1, 2, 2, True),  # two waiting already, two allowed
+    (1, 1, 2, False),  # room in the queue
+    (0, 0, 0, False),  # a free row: it never waits, so --max-queue 0 does not refuse it
+])
+def test_the_queue_limit_counts_requests_that_would_wait(running, waiting, max_queue, refused):
+    """--max-queue: 429 with Retry-After once the rows are full and the queue is; the rows
+    and the queue as the worker last published them (its snapshot), in process."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from twice.cli.serve_http import Parser, ServerConfig, Snapshot, State, Worker, create_app
+    from twice.core.engine import GenerationSettings
+
+    scheduler = _IdleScheduler()
+    scheduler.max_batch = 1
+    worker = Worker()
+    worker.start(lambda: scheduler)
+    try:
+        worker.snapshot = Snapshot(running=running, waiting=waiting)
+        engine = SimpleNamespace(config=SimpleNamespace(vocab_size=100), tokenizer=None)
+        state = State(worker, Parser(engine, "m", GenerationSettings(), 64), ServerConfig("m", max_queue=max_queue))
+        with TestClient(create_app(state), raise_server_exceptions=False) as client:
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        if refused:
+            _error(r, 429, "queue_full")
+            assert r.headers["retry-after"] == "1"
+        else:  # past the limit's check (the idle stand-in cannot tokenize: whatever comes next is no 429)
+            assert r.status_code != 429, r.text
+    finally:
+        worker.stop(timeout=10)
 
 
 def test_the_worker_builds_its_scheduler_on_its_own_thread():
