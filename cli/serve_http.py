@@ -494,33 +494,39 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.text: list[str] = []
-        self.lp: list = []  # per token: (token text, logprob, [(text, logprob)])
-        self.offset = 0
+        self.offset = 0  # characters of visible text so far (completions' text_offset)
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+    def token(self, token: int) -> tuple[str, bytes]:
+        """A token as OpenAI's logprobs show it: its text, or for a token holding part of a
+        character (an emoji's bytes split over tokens) `bytes:\\xNN...`, and its own bytes."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def logprob_entry(self, event):
+        """(token, bytes, logprob, [(token, bytes, logprob)], visible characters it added)."""
         if self.logprobs is None:
             return None
-        top = [(self.token_text(t), lp) for t, lp in event.top_logprobs]
-        return (self.token_text(event.token_id), event.logprob, top)
+        top = [(*self.token(t), lp) for t, lp in event.top_logprobs]
+        return (*self.token(event.token_id), event.logprob, top, len(event.text))
 
     def logprobs_object(self, entries: list):
         if self.logprobs is None:
             return None
         if self.chat:
-            def one(text, lp):
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            def one(text, raw, lp):
+                return {"token": text, "logprob": lp, "bytes": list(raw)}
 
-            return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries]}
-        offsets, at = [], self.offset
-        for t, _, _ in entries:
-            offsets.append(at)
-            at += len(t)
-        self.offset = at
-        return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{a: b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+            return {"content": [{**one(t, raw, lp), "top_logprobs": [one(*alt) for alt in top]}
+                                for t, raw, lp, top, _ in entries]}
+        offsets = []
+        for *_, shown in entries:
+            offsets.append(self.offset)
+            self.offset += shown
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[2] for e in entries],
+                "top_logprobs": [{t: lp for t, _, lp in e[3]} for e in entries], "text_offset": offsets}
 
     def choice(self, text: str, finish: str | None, entries: list, delta: bool, first: bool = False) -> dict:
         c: dict = {"index": 0}

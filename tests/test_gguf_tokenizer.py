@@ -442,6 +442,12 @@ def test_spm_through_converted_folder(tmp_path):
         assert pieces == mine.decode(context + rest)[len(mine.decode(context)):], text
         if rest and direct.id_to_token(rest[0]).startswith("\u2581") and mine.decode(context):
             assert pieces.startswith(" "), text
+    # a byte-fallback token's own bytes (the server's logprobs), where decoding it alone gives U+FFFD
+    byte_tokens = {i for text in CORPUS for i in direct.encode(text).ids
+                   if re.fullmatch(r"<0x[0-9A-F]{2}>", direct.id_to_token(i))}
+    assert any(int(direct.id_to_token(i)[3:5], 16) >= 0x80 for i in byte_tokens)
+    for i in byte_tokens:
+        assert mine.token_bytes(i) == bytes([int(direct.id_to_token(i)[3:5], 16)]), direct.id_to_token(i)
     # the length bound that refuses a too-long prompt before tokenizing it holds for this pipeline
     long = " ".join(CORPUS) * 40
     assert mine.text_bound is not None

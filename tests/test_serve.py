@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -424,6 +425,40 @@ class _IdleScheduler:
         @staticmethod
         def to_dict():
             return {}
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(model):
+    """Byte-level BPE splits an emoji over tokens: each such token's logprob entry carries its
+    own bytes (joined, they rebuild the text), its token string is OpenAI's `bytes:\\xNN` form
+    (so completions' top_logprobs keys stay distinct), and text_offset counts visible characters."""
+    from types import SimpleNamespace
+
+    from twice.cli.serve_http import Reply
+    from twice.weights.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(Path(model))
+    text = "Emoji: \U0001f389\U0001f38a é中"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream, events = tokenizer.stream(), []
+    for i in ids:
+        events.append(SimpleNamespace(token_id=i, logprob=-1.0, top_logprobs=[(i, -1.0)], text=stream.step(i)))
+    events[-1].text += stream.finish()
+    chat = Reply(True, "m", tokenizer, 1).logprobs_object([Reply(True, "m", tokenizer, 1).logprob_entry(e)
+                                                           for e in events])["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
+    partial = [e for e in chat if e["token"].startswith("bytes:")]
+    assert partial, [e["token"] for e in chat]  # the tokenizer did split a character
+    for e in partial:
+        assert e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in e["bytes"])
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+    reply = Reply(False, "m", tokenizer, 1)
+    entries = [reply.logprob_entry(e) for e in events]
+    half = len(entries) // 2
+    first, second = reply.logprobs_object(entries[:half]), reply.logprobs_object(entries[half:])  # two chunks
+    offsets = first["text_offset"] + second["text_offset"]
+    shown = [len(e.text) for e in events]
+    assert offsets == [sum(shown[:i]) for i in range(len(events))]
+    assert all(t == e["token"] for t, e in zip(first["tokens"] + second["tokens"], chat))
 
 
 @pytest.mark.parametrize("running, waiting, max_queue, refused", [

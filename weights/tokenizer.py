@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -145,6 +145,20 @@ def _has_byte_level(pre_tokenizer: dict | None) -> bool:
     if pre_tokenizer.get("type") == "Sequence":
         return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers") or [])
     return pre_tokenizer.get("type") == "ByteLevel"
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (each byte as a printable character), inverted: printable
+    Latin-1 bytes stand for themselves, the other 68 for U+0100 onwards in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(0x100 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
 
 
 def _state(component) -> dict | None:
@@ -286,6 +300,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token `token_id` stands for by itself: a token holding part of a
+        character (byte-level BPE's pieces of an emoji, SentencePiece's `<0xE2>`) gives its own
+        bytes, where decoding it alone gives U+FFFD. Special tokens: their text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.hf.id_to_token(token_id) or ""
+        if self._byte_level_decoder:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return text.encode("utf-8")
+
+    @cached_property
+    def _byte_level_decoder(self) -> bool:
+        return _has_byte_level(_state(self.hf.decoder))
 
     def stream(self, context: Sequence[int] = ()) -> TextStream:
         """A TextStream for ids that follow `context` (the prompt's ids, of which it keeps the last few)."""
