@@ -28,7 +28,7 @@ MinP = Annotated[Optional[float], typer.Option(help="Drop tokens below min-p × 
                                                     "Default: the model's, else 0.05.")]
 RepPenalty = Annotated[Optional[float], typer.Option("--repetition-penalty", help="> 1 discourages repeating tokens. "
                                                                                 "Default: the model's, else 1 (off).")]
-Threads = Annotated[Optional[int], typer.Option(help="CPU threads for the model's kernels (at least 1). Default: "
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads for the model's kernels (1 to 1024). Default: "
                                                      "torch's (the cores it may use).")]
 Stats = Annotated[bool, typer.Option("--stats", "-v", help="Print a few lines of stats at the end (stderr): TTFT, "
                                                            "prefill and decode tokens/s, KV cache bytes.")]
@@ -198,11 +198,14 @@ def check_flags(max_new_tokens=None, prefill_chunk=None, temperature=None, top_k
                        prefill_chunk=prefill_chunk, truncate=truncate)
 
 
+MAX_THREADS = 1024  # beyond any CPU twice runs on; torch takes an int32 and libgomp a stack per thread
+
+
 def check_threads(threads) -> None:
-    if threads is not None and threads < 1:
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
         from twice.core.errors import PromptError
 
-        raise PromptError(f"--threads must be at least 1, got {threads}")
+        raise PromptError(f"--threads must be between 1 and {MAX_THREADS}, got {threads}")
 
 
 def apply_threads(threads) -> None:

@@ -84,12 +84,14 @@ def test_help_names_the_sampling_defaults(capsys, monkeypatch):
 
 
 # -- item 14: --threads -----------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["generate", "chat", "batch", "bench"])
-def test_threads_below_one_is_one_line_before_loading(capsys, tmp_path, command):
+@pytest.mark.parametrize("command", ["generate", "chat", "batch", "bench", "perplexity"])
+@pytest.mark.parametrize("threads", ["0", "1025", "2147483648", "99999999999999999999"])
+def test_threads_out_of_range_is_one_line_before_loading(capsys, tmp_path, command, threads):
+    """Below 1, or past what torch (an int32) and libgomp (a stack per thread) take: one line."""
     args = {"generate": ["generate", "hi"], "chat": ["chat"], "batch": ["batch", str(tmp_path / "in.txt")],
-            "bench": ["bench"]}[command]
-    r = run_inprocess([*args, "-m", str(tmp_path / "no-such-model"), "--threads", "0"], capsys)
-    assert "--threads must be at least 1, got 0" in one_error_line(r)
+            "bench": ["bench"], "perplexity": ["perplexity", str(tmp_path / "t.txt")]}[command]
+    r = run_inprocess([*args, "-m", str(tmp_path / "no-such-model"), "--threads", threads], capsys)
+    assert f"--threads must be between 1 and 1024, got {threads}" in one_error_line(r)
 
 
 def test_threads_sets_torchs_thread_count(capsys, llama, threads_restored):

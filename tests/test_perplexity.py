@@ -234,7 +234,7 @@ def test_files_that_are_not_text(capsys, model_dirs, tmp_path, monkeypatch):
     (["--context", "0"], "--context must be at least 2 tokens"),
     (["--context", "-5"], "--context must be at least 2 tokens"),
     (["--max-tokens", "1"], "--max-tokens must be at least 2"),
-    (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads must be between 1 and 1024"),
 ])
 def test_bad_flags_fail_before_anything_loads(capsys, text_file, flags, words):
     # A model that does not exist: the flag is refused before the model (or the file) is read.
