@@ -15,6 +15,8 @@ from pathlib import Path
 from twice.core.errors import PromptError
 from twice.core.fields import loads
 
+from .prompt_input import strip_bom
+
 FORMATS = ("txt", "jsonl")
 MAX_LINE_CHARS = 64 * 2**20  # as cli/prompt_input.py's MAX_PROMPT_BYTES: one prompt
 LINE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "response_format")
@@ -86,8 +88,7 @@ def parse_input(text: str, fmt: str) -> tuple[list[Record], list[LineError]]:
 def _lines(text: str) -> list[str]:
     # Split on \n only: str.splitlines would also split on U+2028 and friends, which JSON
     # strings may hold raw, and line numbers would no longer match an editor's.
-    if text.startswith("\ufeff"):  # a byte-order mark some editors write
-        text = text[1:]
+    text = strip_bom(text)
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 

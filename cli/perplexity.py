@@ -100,16 +100,18 @@ def read_text(path: Path) -> str:
     bytes, not empty (every failure one line naming the file)."""
     from twice.weights.files import read_limited
 
+    from .prompt_input import strip_bom
+
     raw = read_limited(path, MAX_TEXT_BYTES, PromptError)
     try:
-        text = raw.decode("utf-8")
+        text = strip_bom(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise PromptError(f"{path}: not valid UTF-8 (byte {e.start:,}: {raw[e.start:e.start + 1]!r}); "
                           "twice perplexity reads UTF-8 text") from None
     if (nul := raw.find(b"\0")) >= 0:
         raise PromptError(f"{path}: holds a NUL byte (byte {nul:,}): not a text file")
     if not text.strip():
-        raise PromptError(f"{path}: " + ("the file is empty" if not raw else "the file holds only white space")
+        raise PromptError(f"{path}: " + ("the file is empty" if not text else "the file holds only white space")
                           + "; there is nothing to score")
     return text
 

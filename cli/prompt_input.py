@@ -16,6 +16,13 @@ MAX_PROMPT_BYTES = 64 * 2**20  # a prompt from standard input; a line of a batch
 _CHUNK = 2**20
 
 
+def strip_bom(text: str) -> str:
+    """Text read from a file or standard input without the byte-order mark some editors (and
+    PowerShell's redirection) put first: it is no part of the text, and a tokenizer would
+    count it as tokens of the prompt."""
+    return text.removeprefix("\ufeff")
+
+
 def read_prompt(prompt: str | None) -> str:
     text = _read(prompt)
     if not text.strip():
@@ -31,7 +38,7 @@ def _read(prompt: str | None) -> str:
         raise PromptError("no prompt: give one as an argument, or pipe it in (twice generate - < prompt.txt)")
     data = read_limited_stream(sys.stdin.buffer, MAX_PROMPT_BYTES, "standard input")
     try:
-        return data.decode("utf-8")
+        return strip_bom(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise PromptError(f"standard input is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
 

@@ -266,8 +266,12 @@ def test_prompt_from_standard_input(capsys, monkeypatch, llama, greedy_raw):
         d = gen_json(capsys, *args, "-m", llama, "--raw", "-n", "24", "--temperature", "0", stdin=RAW_PROMPT.encode(),
                      monkeypatch=monkeypatch)
         assert (d["prompt_tokens"], d["token_ids"]) == (greedy_raw["prompt_tokens"], greedy_raw["token_ids"])
-    r = gen(capsys, "-", "-m", llama, stdin=b"  \n", monkeypatch=monkeypatch)
-    assert "the prompt is empty" in one_line_error(r)
+    d = gen_json(capsys, "-", "-m", llama, "--raw", "-n", "24", "--temperature", "0",
+                 stdin=b"\xef\xbb\xbf" + RAW_PROMPT.encode(), monkeypatch=monkeypatch)  # an editor's BOM: not text
+    assert (d["prompt_tokens"], d["token_ids"]) == (greedy_raw["prompt_tokens"], greedy_raw["token_ids"])
+    for empty in (b"  \n", b"\xef\xbb\xbf", b"\xef\xbb\xbf \n"):
+        r = gen(capsys, "-", "-m", llama, stdin=empty, monkeypatch=monkeypatch)
+        assert "the prompt is empty" in one_line_error(r)
     r = gen(capsys, "-", "-m", llama, stdin=b"\xff\xfe", monkeypatch=monkeypatch)
     assert "not valid UTF-8" in one_line_error(r)
 

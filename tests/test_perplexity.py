@@ -147,6 +147,14 @@ def test_window_arithmetic(capsys, model_dirs, tmp_path):
     assert whole["tokens_used"] == n and whole["perplexity"] == got["perplexity"]
 
 
+def test_a_byte_order_mark_is_no_part_of_the_text(capsys, model_dirs, text_file, tmp_path):
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + text_file.read_bytes())
+    plain, bom = (ppl_json(capsys, path, "--model", model_dirs("llama"), "--max-tokens", 64)
+                  for path in (text_file, marked))
+    assert (bom["perplexity"], bom["tokens"]) == (plain["perplexity"], plain["tokens"])
+
+
 def test_json_object(capsys, model_dirs, text_file, monkeypatch):
     import twice.core.perplexity as core
 
@@ -189,6 +197,7 @@ def _unchanged(path: Path, before: bytes | None):
 @pytest.mark.parametrize("case, content, words", [
     ("missing", None, "missing.txt: file not found"),
     ("empty", b"", "empty.txt: the file is empty; there is nothing to score"),
+    ("bom_only", b"\xef\xbb\xbf", "bom_only.txt: the file is empty; there is nothing to score"),
     ("blank", b" \n\t\n", "blank.txt: the file holds only white space"),
     ("binary", b"ELF\x00\x01\x02 some text", "binary.txt: holds a NUL byte (byte 3): not a text file"),
     ("latin1", "caf\xe9 au lait".encode("latin-1"), "latin1.txt: not valid UTF-8 (byte 3: b'\\xe9')"),
