@@ -285,8 +285,20 @@ def test_twice_convert_names_its_flag_for_an_existing_folder(tmp_path, capsys):
     message = one_error_line(run_inprocess(["convert", str(src), str(out)], capsys))
     assert "pass --overwrite to replace it" in message and "overwrite=True" not in message
     assert os.listdir(out) == ["keep.txt"]
-    assert run_inprocess(["convert", str(src), str(out), "--overwrite"], capsys).code == 0
-    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    # --overwrite replaces a model folder only: not a folder of other files, nor one holding the source
+    message = one_error_line(run_inprocess(["convert", str(src), str(out), "--overwrite"], capsys))
+    assert "not a model folder (no config.json)" in message and os.listdir(out) == ["keep.txt"]
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (inside / "config.json").write_text("{}")
+    nested = write_small_gguf(inside / "m.gguf")
+    message = one_error_line(run_inprocess(["convert", str(nested), str(inside), "--overwrite"], capsys))
+    assert "holds m.gguf, the file being converted" in message and nested.stat().st_size > 0
+    model = tmp_path / "model"
+    assert run_inprocess(["convert", str(src), str(model)], capsys).code == 0
+    (model / "stale.txt").write_text("from before")
+    assert run_inprocess(["convert", str(src), str(model), "--overwrite"], capsys).code == 0
+    assert (model / "config.json").is_file() and not (model / "stale.txt").exists()
 
 
 def test_a_second_twice_convert_into_the_same_folder_is_refused_while_the_first_writes(tmp_path, monkeypatch):
