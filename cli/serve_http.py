@@ -300,7 +300,7 @@ class Parser:
         self.engine, self.model_name, self.base, self.context_length = engine, model_name, base_settings, context_length
 
     def parse(self, body, chat: bool) -> Job:
-        from twice.core.engine import GenerationSettings, Request
+        from twice.core.engine import GenerationSettings
         from twice.core.errors import TwiceError
         from twice.core.fields import Fields
         from twice.core.sampling import SamplingParams

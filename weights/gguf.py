@@ -43,7 +43,7 @@ import torch
 
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
-from .gguf_file import GGUF_MAGIC, read_gguf
+from .gguf_file import read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
