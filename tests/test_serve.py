@@ -368,22 +368,28 @@ def test_bad_flags_fail_in_one_line(capsys, model):
         assert words in one_error_line(r)
 
 
-@pytest.mark.slow
-def test_sigterm_drains_the_requests_in_flight_and_exits_0(model, tmp_path_factory):
-    s = Server(["-m", model, "--dtype", "float32", "--drain-seconds", "60", "--threads", "1"], _env(tmp_path_factory))
-    body = {"model": model, "prompt": "drain me", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    texts = []
+def _sigterm_after_the_first_chunk(s: Server, path: str, body: dict) -> list[str]:
+    """Stream `body`, SIGTERM the server at its first data chunk, and return the data lines
+    that came after it; the server must then exit 0."""
     with httpx.Client(timeout=120) as client:
-        with client.stream("POST", s.url + "/v1/completions", json=body) as r:
+        with client.stream("POST", s.url + path, json=body) as r:
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
                     break
             s.proc.send_signal(signal.SIGTERM)
-            texts = [line for line in lines if line.startswith("data: ")]
+            rest = [line for line in lines if line.startswith("data: ")]
     s.proc.wait(120)
     s.reader.join(10)
     assert s.proc.returncode == 0, "".join(s.lines)
+    return rest
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_requests_in_flight_and_exits_0(model, tmp_path_factory):
+    s = Server(["-m", model, "--dtype", "float32", "--drain-seconds", "60", "--threads", "1"], _env(tmp_path_factory))
+    body = {"model": model, "prompt": "drain me", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    texts = _sigterm_after_the_first_chunk(s, "/v1/completions", body)
     assert texts[-1] == "data: [DONE]"
     assert json.loads(texts[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert any("draining" in line for line in s.lines)
@@ -398,17 +404,7 @@ def test_requests_past_the_drain_deadline_end_with_a_503_not_a_bare_500(model, t
                _env(tmp_path_factory))
     body = {"model": model, "messages": [{"role": "user", "content": "drain " * 25}], "max_tokens": 40,
             "stream": True}
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:  # the role chunk: sent before the prompt's prefill starts
-                if line.startswith("data: {"):
-                    break
-            s.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-    s.proc.wait(120)
-    s.reader.join(10)
-    assert s.proc.returncode == 0, "".join(s.lines)
+    rest = _sigterm_after_the_first_chunk(s, "/v1/chat/completions", body)  # the role chunk: before the prefill
     assert rest and json.loads(rest[-1][6:])["error"]["code"] == "draining", (rest, "".join(s.lines))
     assert not any("Traceback" in line for line in s.lines), "".join(s.lines)
 
