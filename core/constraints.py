@@ -257,7 +257,7 @@ class Constraint:
         # A grammar whose language is empty (a regex like [^\s\S], a rule that only recurses)
         # passes validation yet allows no first token, not even EOS: refused here, before the
         # request runs, instead of ending at once with an empty "stop".
-        self.mask()
+        self._first = self.mask()  # kept for the first step's mask(): the same state, not computed twice
         if self.error is not None or (self.matcher.is_stopped() and not self.matcher.is_accepting()):
             why = f" ({_first_lines(self.error)})" if self.error else ""
             raise ConstraintError(f"{spec._where()}the {_WHAT[spec.kind]} can never be satisfied: it allows no "
@@ -270,6 +270,8 @@ class Constraint:
         import numpy
         import torch
 
+        if self.tokens == 0 and getattr(self, "_first", None) is not None:
+            return self._first  # no token taken since __init__ computed it
         m, w = self.matcher, self._words
         m.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
         out = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
