@@ -304,6 +304,7 @@ class Parser:
         from twice.core.errors import TwiceError
         from twice.core.fields import Fields
         from twice.core.sampling import SamplingParams
+        from twice.weights.tokenizer import unpaired_surrogate
 
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
@@ -358,7 +359,7 @@ class Parser:
                 raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
             if any(len(x) > 1000 for x in stops):
                 raise ApiError(400, "a stop string may be at most 1000 characters", param="stop")
-            if not all(_encodable(x) for x in stops):
+            if any(unpaired_surrogate(x) is not None for x in stops):
                 raise ApiError(400, "a stop string holds a lone surrogate (not UTF-8 text)", param="stop")
             stream = f.bool("stream", False)
             options = Fields(f.dict("stream_options", {}), "request: stream_options", PromptError)
@@ -461,14 +462,6 @@ class Parser:
             return constraints.constraint_from_response_format(fmt)
         except TwiceError as e:
             raise ApiError(400, str(e), param="response_format", code="invalid_schema") from None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _strip_source(message: str) -> str:
@@ -603,19 +596,15 @@ def create_app(state: State):
         from starlette.requests import ClientDisconnect
 
         chunks, size = [], 0
-        stream = request.stream()
-        while True:
-            try:
-                chunk = await stream.__anext__()
-            except StopAsyncIteration:
-                break
-            except ClientDisconnect:  # the client went away mid-upload: nobody to answer
-                raise ApiError(499, "client closed the request", code="client_closed") from None
-            size += len(chunk)
-            if size > config.max_body:
-                raise ApiError(413, f"the request body is more than the {config.max_body:,} bytes allowed",
-                               code="body_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > config.max_body:
+                    raise ApiError(413, f"the request body is more than the {config.max_body:,} bytes allowed",
+                                   code="body_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client went away mid-upload: nobody to answer
+            raise ApiError(499, "client closed the request", code="client_closed") from None
         raw = b"".join(chunks)
         try:
             text = raw.decode("utf-8")
