@@ -28,7 +28,7 @@ from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
 from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
-                           scan_output)
+                           scan_output, check_resumed)
 from .console import COLOR, err_console
 from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
@@ -558,12 +558,13 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     _claim(launch, data_parallel, output, locks)  # before reading what is done
     out_path, state = check_output(output, resume)
     parts = _earlier_parts(out_path, resume, locks, launch, data_parallel)
-    if state.existing and launch.rank == 0:
-        _say(f"note: {output}: continuing ({_count(len(state.done), 'result')} of an earlier run kept)")
     name, text, fmt = read_input(input, input_format)
     records, errors = parse_input(text, fmt)
     if launch.rank == 0:
         _report_lines(name, errors, records)
+    check_resumed(state, records, name, output)
+    if state.existing and launch.rank == 0:
+        _say(f"note: {output}: continuing ({_count(len(state.done), 'result')} of an earlier run kept)")
     if strict and errors:
         raise PromptError(f"{_count(len(errors), 'bad line')} in {name}; nothing was run (--strict)")
     if not records and not errors:
@@ -603,6 +604,9 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
             _say(f"note: {'--draft' if draft is not None else '--lookup'} has no effect in twice batch: speculative "
                  "decoding serves one sequence at a time (twice generate, twice chat); the batch decodes without it")
     plan.use_chat = loaded.tokenizer.chat_template is not None if chat is None else chat
+    if launch.rank == 0 and any(record.messages is None for record in plan.todo):
+        if (ignored := o.system_ignored(plan.system, chat, plan.use_chat, " for prompt lines (messages lines keep it)")):
+            _say(f"note: {ignored}")
     base = _base_settings(loaded, *settings)
     _run(loaded, plan, base)
     return merge

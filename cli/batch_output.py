@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -19,6 +20,8 @@ from pathlib import Path
 from twice.core.errors import PromptError, TwiceError
 from twice.core.fields import JSONLimitError, loads
 from twice.weights.safe_write import sync_folder
+
+from .batch_input import show_value
 
 OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
 
@@ -33,6 +36,9 @@ class OutputState:
     keep_bytes: int | None = None  # truncate the file to this length before appending
     dropped_bytes: int = 0
     identity: tuple | None = None  # (device, inode, size, mtime) of the file that was read
+    # id -> (line number, digest of the prompt or messages the result line echoes): a
+    # result line answers one prompt, and --resume must not skip a prompt it did not answer.
+    echoes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
 
 def scan_output(data: bytes, name: str) -> OutputState:
@@ -51,6 +57,8 @@ def scan_output(data: bytes, name: str) -> OutputState:
             raise TwiceError(f"{name}:{number}: not a line of ours, so {name} is not a twice batch output; "
                              "choose another --output file")
         state.done.add(str(obj["id"]))
+        if (echo := echo_digest(obj)) is not None:
+            state.echoes[str(obj["id"])] = (number, echo)
     torn = data[keep:]
     if torn:
         # Our writer ends each line in the same write(): a complete JSON value without
@@ -61,6 +69,33 @@ def scan_output(data: bytes, name: str) -> OutputState:
                              "choose another --output file")
         state.keep_bytes, state.dropped_bytes = keep, len(torn)
     return state
+
+
+def echo_digest(obj: dict) -> bytes | None:
+    """A digest of the prompt (or messages) a result line echoes; None for an error line,
+    which echoes nothing."""
+    if "prompt" in obj:
+        echo = {"prompt": obj["prompt"]}
+    elif "messages" in obj:
+        echo = {"messages": obj["messages"]}
+    else:
+        return None
+    text = json.dumps(echo, sort_keys=True, ensure_ascii=True)
+    return hashlib.blake2b(text.encode("ascii"), digest_size=16).digest()
+
+
+def check_resumed(state: OutputState, records, name: str, output: str) -> None:
+    """Refuse to continue an output whose results answer other prompts than the input's
+    under the same ids (another input's output, or an input edited since): --resume would
+    skip those prompts and leave their lines answering something else."""
+    for record in records:
+        if (seen := state.echoes.get(record.key)) is None:
+            continue
+        echo = {"prompt": record.prompt} if record.messages is None else {"messages": record.messages}
+        if echo_digest(echo) != seen[1]:
+            raise PromptError(f"{output}:{seen[0]}: the result for id {show_value(record.id)} answers another "
+                              f"{'prompt' if record.messages is None else 'conversation'} than {name}:{record.line}; "
+                              "--resume continues the run of the same input (choose another --output file)")
 
 
 def _our_line(raw: bytes) -> dict | None:

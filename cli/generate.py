@@ -132,9 +132,8 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             request = Request(messages=messages)
         else:
-            if system:
-                note("--system is used only in chat mode; ignored with --raw"
-                     + ("" if chat is False else " (the model has no chat template)"))
+            if (ignored := o.system_ignored(system, chat, use_chat)) is not None:
+                note(ignored)
             request = Request(text=text)
         readout.set_phase("prefill", "chat template, tokenize" if use_chat else "tokenize")
         engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile,

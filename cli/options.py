@@ -263,6 +263,14 @@ def ignored_with_greedy(sampling, top_k=None, top_p=None, min_p=None, seed=None)
     return f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with greedy decoding (temperature 0)"
 
 
+def system_ignored(system: str | None, chat: bool | None, use_chat: bool, what: str = "") -> str | None:
+    """A note when --system was given but prompts go in raw (--raw, or no chat template)."""
+    if not system or use_chat:
+        return None
+    return ("--system is used only in chat mode; ignored with --raw"
+            + ("" if chat is False else " (the model has no chat template)") + what)
+
+
 def weights_choice(dequantize: bool, quantize: str | None) -> str | None:
     """How to hold the weights, from --dequantize / --quantize: None (as stored),
     "dequantize", or a mixture name; a bad combination or name fails before loading."""

@@ -293,6 +293,35 @@ def test_resume_refuses_a_file_that_is_not_ours(tmp_path, capsys, llama, content
     assert dst.read_bytes() == content
 
 
+def test_resume_refuses_an_output_written_for_another_input(tmp_path, capsys, llama):
+    # Text inputs number their prompts 1, 2, ...: another file's output holds the same ids,
+    # and continuing it would skip prompts whose lines answer something else.
+    first, second, dst = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "out.jsonl"
+    first.write_text("Hello\nworld\n")
+    second.write_text("Hello\nsomething else\nthird\n")
+    assert batch([str(first), "--raw", "-n", "2", "-o", str(dst)], capsys, llama).code == 0
+    before = dst.read_bytes()
+    r = batch([str(second), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 2 and r.err.count("\n") == 1, r.err
+    assert f"{dst}:2: the result for id \"2\" answers another prompt than {second}:2" in r.err
+    assert dst.read_bytes() == before
+    # The same input, one prompt added at its end: continued.
+    first.write_text("Hello\nworld\nthird\n")
+    r = batch([str(first), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
+
+
+def test_batch_notes_that_raw_ignores_system(tmp_path, capsys, llama):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": 1, "prompt": "Hello"}, {"id": 2, "messages": [{"role": "user", "content": "Hi"}]}])
+    r = batch([str(src), "--raw", "-n", "2", "--system", "Be brief."], capsys, llama)
+    assert r.code == 0, r.err
+    assert "note: --system is used only in chat mode; ignored with --raw for prompt lines (messages lines keep it)" in r.err
+    r = batch([str(src), "-n", "2", "--system", "Be brief."], capsys, llama)  # the tiny model has a template
+    assert r.code == 0 and "--system" not in r.err, r.err
+
+
 def test_output_errors_never_clobber(tmp_path, capsys, llama):
     src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
     src.write_text("Hello\n")
