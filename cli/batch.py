@@ -164,6 +164,7 @@ def result_line(record: Record, result) -> dict:
         **echo,
         "completion": result.text,
         "finish_reason": result.finish_reason,
+        **({"error": result.error} if result.error is not None else {}),
         "prompt_tokens": result.prompt_tokens,
         "generated_tokens": result.generated_tokens,
         "timings": {
@@ -391,7 +392,8 @@ each non-blank line is a prompt whose id is its line number.
 
 Each output line holds id, prompt (or messages), completion, finish_reason,
 prompt_tokens, generated_tokens and timings; a prompt the engine cannot serve gets a
-line with id, error and finish_reason "error". Lines are written (and synced to disk) as
+line with id, error and finish_reason "error" (as does one whose structured output's
+grammar fails part way: its completion kept, incomplete). Lines are written (and synced to disk) as
 prompts finish, so they come out in completion order: match them by id.
 
 Bad input lines (invalid JSON, missing or mistyped fields, a repeated id; ids compare

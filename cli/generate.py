@@ -183,6 +183,16 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
         from .report import print_stats
 
         print_stats(result, loaded)
+    _check_finished(result)
+
+
+def _check_finished(result) -> None:
+    """A row that could not go on (its grammar's engine failed) ends the command with the
+    reason, after what it printed: the output is incomplete, not a finished answer."""
+    if result is not None and result.finish_reason == "error":
+        from twice.core.constraints import ConstraintError
+
+        raise ConstraintError(result.error)
 
 
 def json_payload(result, loaded, settings, chat: bool, system: str | None, compiled: bool = False) -> dict:

@@ -697,6 +697,16 @@ def create_app(state: State):
                 raise ApiError(503, "the server is shutting down", "server_error", "draining")
             return event
 
+    def unfinished(r) -> ApiError | None:
+        """The error a reply that could not be finished gets instead of a finish_reason:
+        cancelled by the drain, or its grammar's engine failed part way (the request's
+        grammar is the cause, so a 400: the same request fails the same way)."""
+        if r.finish_reason == "cancelled" and state.draining:
+            return ApiError(503, "the server shut down before the reply was done", "server_error", "draining")
+        if r.finish_reason == "error":
+            return ApiError(400, r.error, "invalid_request_error", "constraint_failed")
+        return None
+
     async def collect(reply: Reply, job: Job, seq_id: int, events, arrived: float, request):
         from twice.core.engine import Done
 
@@ -710,8 +720,8 @@ def create_app(state: State):
             if entry is not None:
                 entries.append(entry)
         r = event.result
-        if r.finish_reason == "cancelled" and state.draining:
-            raise ApiError(503, "the server shut down before the reply was done", "server_error", "draining")
+        if (failed := unfinished(r)) is not None:
+            raise failed
         body = reply.envelope([reply.choice(r.text, FINISH.get(r.finish_reason, "stop"), entries, delta=False)],
                               usage=_usage(r.prompt_tokens, r.generated_tokens))
         state.metrics.latency.labels("/v1/chat/completions" if reply.chat else "/v1/completions").observe(
@@ -740,9 +750,8 @@ def create_app(state: State):
                 if isinstance(event, Done):
                     r = event.result
                     finished = True
-                    if r.finish_reason == "cancelled" and state.draining:
-                        yield b"data: " + ApiError(503, "the server shut down before the reply was done",
-                                                   "server_error", "draining").json_bytes() + b"\n\n"
+                    if (failed := unfinished(r)) is not None:
+                        yield b"data: " + failed.json_bytes() + b"\n\n"
                         return
                     yield sse(reply.envelope([reply.choice("", FINISH.get(r.finish_reason, "stop"), [], delta=True)],
                                              chunk=True))

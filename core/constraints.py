@@ -297,6 +297,11 @@ class Constraint:
     def is_finished(self) -> bool:
         return self.error is not None or self.matcher.is_stopped()
 
+    def failure(self) -> str:
+        """What stopped a row whose matcher failed (`error` set), as one line."""
+        return (f"{self.spec._where()}structured output stopped after {self.tokens} "
+                f"token{'s' if self.tokens != 1 else ''}: the constraint engine failed ({_first_lines(self.error)})")
+
     @property
     def accepting(self) -> bool:
         """What was generated is complete (EOS would be allowed)."""
@@ -320,7 +325,10 @@ def _first_lines(message: str, limit: int = 300) -> str:
     """llguidance's messages can span lines (a caret under the regex): the first line and
     any `error:` line, as one line."""
     lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
-    keep = lines[:1] + [ln for ln in lines[1:] if ln.lower().startswith("error")]
+    keep = lines[:1]
+    for ln in lines[1:]:  # "Error: X" lines, less one that only repeats what is kept
+        if ln.lower().startswith("error") and ln[len("error"):].lstrip(": ") not in keep:
+            keep.append(ln)
     text = " ".join(keep) or "invalid"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -139,7 +139,7 @@ class GenerationResult:
     row: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # eos | stop | length | context
+    finish_reason: str  # eos | stop | length | context | cancelled | error (see `error`)
     prompt_tokens: int
     reused_tokens: int
     tokenize_seconds: float
@@ -159,6 +159,7 @@ class GenerationResult:
     weight_format: dict = field(default_factory=dict)  # qweight.weight_formats: types, bits per weight
     active_weight_bytes: int = 0  # weights one decode step reads (a mixture of experts: its chosen experts'); 0: all
     speculation: dict | None = None  # speculative.SpeculationStats.to_dict, when speculating
+    error: str | None = None  # finish_reason "error": why the row could not go on (its grammar failed)
 
     @property
     def generated_tokens(self) -> int:
@@ -189,6 +190,7 @@ class GenerationResult:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
+            **({"error": self.error} if self.error is not None else {}),
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated_tokens,
@@ -702,12 +704,16 @@ class Engine:
         row.t_last = now
         row.generated.append(token)
         complete = row.constraint is not None and row.constraint.advance(token)  # the grammar took its last token
+        # The constraint engine failed (a grammar too complex for its lexer, say): the row
+        # ends, and says so, rather than a "stop" that calls unfinished output complete.
+        failed = complete and row.constraint.error is not None
         is_eos = token in self.eos and not row.settings.ignore_eos
         text, stopped = row.stop.feed("" if is_eos else row.stream.step(token))
-        if stopped:
+        if stopped and not failed:
             row.finish = "stop"
-        elif is_eos or complete or len(row.generated) >= row.max_new:
-            row.finish = "eos" if is_eos else "stop" if complete else ("context" if row.clamped else "length")
+        elif failed or is_eos or complete or len(row.generated) >= row.max_new:
+            row.finish = ("error" if failed else "eos" if is_eos else "stop" if complete
+                          else ("context" if row.clamped else "length"))
             tail, stopped = row.stop.feed(row.stream.finish())
             text += tail
             if stopped:
@@ -742,4 +748,5 @@ class Engine:
             batch_invariant=self.batch_invariant and self._fast_ready(cache),
             weight_format=self.weight_format,
             active_weight_bytes=self.active_weight_bytes,
+            error=row.constraint.failure() if row.finish == "error" else None,
         )

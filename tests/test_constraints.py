@@ -274,3 +274,37 @@ def test_batch_bad_run_wide_constraint_is_one_line(tmp_path, capsys, llama_dir):
     src.write_text("a\nb\n")
     r = run_inprocess(["batch", str(src), "-m", llama_dir, "--regex", "[z-a]"], capsys)
     assert "invalid regex" in one_error_line(r) and src.read_text() == "a\nb\n"
+
+
+# -- a constraint engine that fails part way ----------------------------------------------
+TOO_COMPLEX = r"(x{1000}){1000}"  # valid, but llguidance's lexer gives up once it is under way
+
+
+def test_a_grammar_that_fails_part_way_ends_the_row_with_an_error_not_a_stop(engine):
+    spec = c.ConstraintSpec("regex", TOO_COMPLEX, "--regex")
+    r = run(engine, spec, prompt="x", n=32)
+    assert r.finish_reason == "error", (r.finish_reason, r.text)
+    assert r.error.startswith("--regex: structured output stopped after ") and "constraint engine failed" in r.error
+    assert "\n" not in r.error and r.to_dict()["error"] == r.error
+    assert not re.fullmatch(TOO_COMPLEX, r.text)  # what it made is incomplete: it must not be called finished
+    # The other rows of its batch go on.
+    free = GenerationSettings(max_new_tokens=5)
+    events = engine.generate_batch([Request(text="x"), Request(text="Hello")],
+                                   [GenerationSettings(max_new_tokens=32, constraint=spec), free])
+    done = {e.result.row: e.result for e in events if isinstance(e, Done)}
+    assert done[0].finish_reason == "error" and done[1].finish_reason in ("length", "eos")
+    assert done[1].error is None and "error" not in done[1].to_dict()
+
+
+def test_generate_and_batch_report_a_grammar_that_fails_part_way(tmp_path, capsys, llama_dir):
+    r = generate(["-n", "32", "--regex", TOO_COMPLEX, "x"], capsys, llama_dir)
+    assert "structured output stopped after" in one_error_line(r)
+    body = json.loads(r.out)  # what was made is still printed, and says why it ended
+    assert body["finish_reason"] == "error" and "constraint engine failed" in body["error"]
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("x\n")
+    r = run_inprocess(["batch", str(src), "-o", str(out), "-m", llama_dir, "--temperature", "0", "--raw",
+                       "--regex", TOO_COMPLEX, "-n", "32"], capsys)
+    assert r.code == 0, r.err
+    line = json.loads(out.read_text())
+    assert line["finish_reason"] == "error" and "constraint engine failed" in line["error"] and "completion" in line

@@ -338,6 +338,17 @@ def test_odd_requests_found_by_a_hostile_client(server, model):
     _error(_post(server, "/v1/completions", {**ok, "response_format":
                                              {"type": "json_schema", "json_schema": {"name": "no", "schema": False}}}),
            400, "invalid_schema")
+    # A grammar llguidance gives up on part way: a 400 naming why, never a "stop" on
+    # incomplete output (a stream: an error event and no finish_reason, no [DONE]).
+    too_complex = {"type": "regex", "regex": "(x{1000}){1000}"}
+    _error(_post(server, "/v1/completions", {**ok, "prompt": "x", "max_tokens": 16, "response_format": too_complex}),
+           400, "constraint_failed", ["structured output stopped after", "constraint engine failed"])
+    r = _post(server, "/v1/completions", {**ok, "prompt": "x", "max_tokens": 16, "stream": True,
+                                          "response_format": too_complex})
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and "[DONE]" not in r.text, r.text
+    assert events[-1]["error"]["code"] == "constraint_failed"
+    assert all(choice["finish_reason"] is None for e in events[:-1] for choice in e["choices"])
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # and it still serves
 
 
