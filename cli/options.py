@@ -33,7 +33,18 @@ Threads = Annotated[Optional[int], typer.Option(help="CPU threads for the model'
 Stats = Annotated[bool, typer.Option("--stats", "-v", help="Print a few lines of stats at the end (stderr): TTFT, "
                                                            "prefill and decode tokens/s, KV cache bytes.")]
 Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling (same seed, same output).")]
-Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is not printed.")]
+
+
+def _stop_texts(values: list[str] | None) -> list[str] | None:
+    # An empty text matches nothing: `--stop "$END"` with END unset would run to the length
+    # limit without a word; said before anything loads.
+    if values and any(v == "" for v in values):
+        raise typer.BadParameter("an empty text matches nothing; give the text to stop at", param_hint="'--stop'")
+    return values
+
+
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", callback=_stop_texts,
+                                                   help="Stop when this text appears (repeatable); it is not printed.")]
 System = Annotated[Optional[str], typer.Option(help="System message (chat mode).")]
 Chat = Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the chat template (default: on when the model has one).")]
 PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this many tokens per forward pass.")]

@@ -199,6 +199,10 @@ def test_completion_is_typers(capsys):
     (["generate", "hi", "--kv-dtype"], "'--kv-dtype' requires an argument", None),  # Click gives no context
     (["batch"], "missing argument 'input'", "twice batch -h"),
     (["frobnicate"], "no such command 'frobnicate'", "twice -h"),
+    # `--stop "$END"` with END unset: an empty text would match nothing (ran to the limit).
+    (["generate", "hi", "--stop", "x", "--stop", ""], "'--stop': an empty text matches nothing", "twice generate -h"),
+    (["chat", "--stop", ""], "'--stop': an empty text matches nothing", "twice chat -h"),
+    (["batch", "in.txt", "--stop", ""], "'--stop': an empty text matches nothing", "twice batch -h"),
 ])
 def test_a_command_line_click_cannot_parse_is_one_line(capsys, args, message, hint):
     """Unknown options and commands, values of the wrong type, missing arguments: the same one
