@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.errors import PromptError
-from twice.core.fields import loads
+from twice.core.fields import loads, unpaired_surrogate
 
 from .prompt_input import strip_bom
 
@@ -186,10 +186,8 @@ def _float(key: str, value) -> float:
 def _text(value, what: str) -> str:
     if not isinstance(value, str):
         raise _BadLine(f"{what} must be a string, got {_kind(value)}")
-    try:
-        value.encode("utf-8")  # JSON's \ud800 escapes decode to lone surrogates, which cannot be written back
-    except UnicodeEncodeError:
-        raise _BadLine(f"{what} holds an unpaired surrogate (an invalid \\uD800-\\uDFFF escape)") from None
+    if unpaired_surrogate(value) is not None:  # it could not be written back
+        raise _BadLine(f"{what} holds an unpaired surrogate (an invalid \\uD800-\\uDFFF escape)")
     return value
 
 

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from twice.core.errors import TwiceError
+from twice.core.fields import unpaired_surrogate
 
 SAVE_VERSION = 1
 ROLES = ("user", "assistant")
@@ -90,14 +91,9 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
 def _check_text(value: str | None, what: str) -> None:
     """Text that can be encoded as UTF-8 (what the tokenizer and /save need): JSON's
     \\uXXXX escapes can spell a lone surrogate, which is not a character."""
-    if value is None:
-        return
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        code = ord(value[e.start])
-        raise ValueError(f"{what} holds a lone surrogate (\\u{code:04x} at character {e.start}), "
-                         f"which is not text") from None
+    if value is not None and (at := unpaired_surrogate(value)) is not None:
+        raise ValueError(f"{what} holds a lone surrogate (\\u{ord(value[at]):04x} at character {at}), "
+                         f"which is not text")
 
 
 def refuse_overwrite(path: Path, force: bool = False) -> None:

@@ -304,7 +304,7 @@ class Parser:
         from twice.core.errors import TwiceError
         from twice.core.fields import Fields
         from twice.core.sampling import SamplingParams
-        from twice.weights.tokenizer import unpaired_surrogate
+        from twice.core.fields import unpaired_surrogate
 
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")

@@ -225,3 +225,13 @@ def _range_words(kind: str, lo, hi, lo_open: bool = False, hi_open: bool = False
     if hi is not None:
         return f"{kind} ≤ {hi_text}"
     return kind
+
+
+def unpaired_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in `text` (None if there is none): JSON's
+    \\uD800-\\uDFFF escapes decode to them, and they are not text (UTF-8 cannot hold them)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start

@@ -20,6 +20,7 @@ from tokenizers.decoders import DecodeStream
 from tokenizers.pre_tokenizers import ByteLevel as ByteLevelPre
 
 from twice.core.errors import PromptError, TokenizerError
+from twice.core.fields import unpaired_surrogate
 
 from .chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate
 from .files import MAX_JSON_BYTES, read_json, read_limited
@@ -371,12 +372,3 @@ class Tokenizer:
                     limit: int | None = None) -> list[int]:
         # The template writes the special tokens itself (as transformers does, no second BOS).
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False, limit=limit)
-
-
-def unpaired_surrogate(text: str) -> int | None:
-    """The index of the first lone surrogate in `text` (None if there is none)."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        return e.start
