@@ -19,6 +19,8 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
+from twice.core.paths import user_path
+
 from . import options as o
 from .app import app
 from .chat_input import BLOCK, TerminalReader, make_reader
@@ -537,11 +539,22 @@ class ChatSession:
 
         self.err.print(timing_table(self.last_result, self.loaded))
 
+    def _path(self, arg: str) -> Path | None:
+        """/save's and /load's FILE (quotes off, ~ expanded), or None after saying why not."""
+        from twice.core.errors import TwiceError
+
+        try:
+            return user_path(_unquote(arg))
+        except TwiceError as e:
+            self.error(f"{e} (the current conversation is unchanged)")
+            return None
+
     def cmd_save(self, arg: str, force: bool = False) -> None:
         if not arg:
             self.error(f"usage: /save{'!' if force else ''} FILE")
             return
-        path = Path(_unquote(arg)).expanduser()
+        if (path := self._path(arg)) is None:
+            return
         try:
             replaced = path.is_file() and not path.is_symlink()
             refuse_overwrite(path, force=force)
@@ -575,7 +588,8 @@ class ChatSession:
         if not arg:
             self.error("usage: /load FILE")
             return
-        path = Path(_unquote(arg)).expanduser()
+        if (path := self._path(arg)) is None:
+            return
         try:
             system, messages, model = read_conversation(path)
             self._check_template(system, messages)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.text import Text
 
+from twice.core.paths import user_path
+
 from .console import err_console
 from .format import os_message
 
@@ -276,4 +278,4 @@ def make_reader(history: Path | None):
         from twice.core.paths import cache_dir
 
         history = cache_dir() / "chat_history"
-    return TerminalReader(history.expanduser())
+    return TerminalReader(user_path(history))

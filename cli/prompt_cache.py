@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from twice.core.paths import user_path
+
 
 @dataclass
 class PromptCacheUse:
@@ -41,7 +43,7 @@ def check_options(path: str | None, read_only: bool, tp: int = 1) -> None:
         raise UsageError("--prompt-cache needs a file name")
     if tp > 1:
         raise UsageError("--prompt-cache does not work with --tp (a cache file holds one process's keys and values)")
-    if Path(path).expanduser().is_dir():
+    if user_path(path).is_dir():
         raise UsageError(f"--prompt-cache {path}: is a folder, not a file")
 
 
@@ -58,7 +60,7 @@ def load(engine, path: str) -> PromptCacheUse:
     from twice.weights import prompt_cache_file as pcf
 
     use = PromptCacheUse(file=path)
-    p = Path(path).expanduser()
+    p = user_path(path)
     if not p.exists() and not p.is_symlink():
         return use
     try:
@@ -75,7 +77,7 @@ def save(engine, use: PromptCacheUse, tokens: int, ids: list[int] | None = None)
     from twice.core.errors import TwiceError
     from twice.weights import prompt_cache_file as pcf
 
-    p = Path(use.file).expanduser()
+    p = user_path(use.file)
     if ids is not None and use.loaded_ids == ids:
         return  # the file already holds this prompt
     if (p.exists() or p.is_symlink()) and not p.is_symlink() and p.is_file() and not pcf.looks_like_one(p):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from twice.core.paths import user_path
+
 from . import options as o
 from .app import app
 from .console import err_console, wide_console
@@ -84,7 +86,7 @@ def _refuse_existing(out: Path, overwrite: bool) -> None:
 
 def _model_name(ref: str, folder: Path) -> str:
     """general.name: the Hub id or the folder's (file's) name."""
-    path = Path(ref).expanduser()
+    path = user_path(ref)
     if path.exists():
         return path.stem if path.is_file() else path.resolve().name
     return ref or folder.name

@@ -6,7 +6,19 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import TwiceError
+from .errors import PromptError, TwiceError
+
+
+def user_path(text: str | os.PathLike) -> Path:
+    """`text` as a path with a leading ~ or ~user expanded, as the shell would; a ~user
+    for a user this system does not know is one line (pathlib raises RuntimeError)."""
+    path = Path(text)
+    try:
+        return path.expanduser()
+    except RuntimeError:
+        head = str(text).split("/", 1)[0]
+        who = f"no user '{head[1:]}'" if len(head) > 1 else "no home folder"
+        raise PromptError(f"{text}: cannot expand {head}: {who} on this system") from None
 
 
 def cache_dir() -> Path:
@@ -16,7 +28,7 @@ def cache_dir() -> Path:
     model cache, the kernel cache, the chat history), instead of whatever the first
     mkdir() under it would raise."""
     if os.environ.get("TWICE_CACHE"):
-        path, origin = Path(os.environ["TWICE_CACHE"]).expanduser(), "TWICE_CACHE"
+        path, origin = user_path(os.environ["TWICE_CACHE"]), "TWICE_CACHE"
     elif os.environ.get("XDG_CACHE_HOME"):
         path, origin = Path(os.environ["XDG_CACHE_HOME"]) / "twice", "XDG_CACHE_HOME"
     else:

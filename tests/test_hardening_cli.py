@@ -425,3 +425,27 @@ def test_batch_timing_batch_size_definition_matches_the_value(capsys, monkeypatc
     value = int(re.search(r"│\s+(\d+) │", limit).group(1))
     assert value in (1, 2, 4, 8, 16, 32, 64) and ("largest power of 2 ≤ 64" in limit or "fallback" in limit)
     assert "cut to" not in limit
+
+
+# -- a ~user this system does not know -------------------------------------------------------
+NO_USER = "~twice-no-such-user"
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "hi", "-n", "1", "--prompt-cache", f"{NO_USER}/x.kv"],
+    ["generate", "hi", "-m", f"{NO_USER}/model"],
+    ["quantize", f"{NO_USER}/model", "out.gguf", "--type", "q8_0"],
+])
+def test_a_tilde_of_an_unknown_user_is_one_line(capsys, args):
+    """pathlib's expanduser raises RuntimeError for ~user of no such user: it was a traceback."""
+    line = one_error_line(run_inprocess(args, capsys))
+    assert f"cannot expand {NO_USER}: no user 'twice-no-such-user' on this system" in line, line
+
+
+def test_chat_save_and_load_to_an_unknown_users_home_keep_the_conversation(capsys, monkeypatch, llama):
+    script = f"hi\n/load {NO_USER}/x.json\n/save {NO_USER}/x.json\nmore\n".encode()
+    r = run_inprocess(["chat", "-m", llama, "-n", "2", "--temperature", "0"], capsys, stdin=script,
+                      monkeypatch=monkeypatch)
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+    assert r.err.count(f"cannot expand {NO_USER}") == 2 and "the turn was not kept" not in r.err, r.err
+    assert "reused 0" not in r.err.split(f"{NO_USER}/x.json: cannot expand")[-1]  # the cache was kept

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from twice.core.errors import ModelNotFoundError
+from twice.core.paths import user_path
 
 from .paths import models_dir
 
@@ -51,7 +52,7 @@ def resolve(ref: str | None, revision: str | None = None, progress=None, dequant
     if ref in packaged.names():  # a real GGUF shipped as chunk packages (assembled once, verified)
         path = packaged.packaged_gguf(ref, progress)
         return converted_gguf(path, progress) if dequantize else described_gguf(path, progress)
-    path = Path(ref).expanduser()
+    path = user_path(ref)
     if path.is_dir():
         return path
     if path.is_file():
