@@ -19,6 +19,9 @@ from . import kernels
 from .errors import PromptError
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -160,8 +163,9 @@ class Sampler:
                 candidates, x = candidates[: p.top_k], values[: p.top_k]
         # The largest logit subtracted first: a tiny temperature (1e-38) then sends the others to
         # -inf and leaves the largest at 0 (greedy, as its limit is), where x / T alone would
-        # overflow to inf and the softmax to NaN.
-        x = (x - x.max()) / p.temperature
+        # overflow to inf and the softmax to NaN. A temperature below float32's smallest normal
+        # number (1e-300) would become 0 in the division (0 / 0: NaN): it divides as that number.
+        x = (x - x.max()) / max(p.temperature, FLOAT32_TINY)
         probs = torch.softmax(x, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)

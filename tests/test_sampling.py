@@ -47,6 +47,8 @@ def test_ties_at_the_kth_value_are_all_kept():
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1e-38, top_k=0, top_p=1.0, min_p=0.0, seed=1),  # logits / T alone: inf, then NaN
     SamplingParams(temperature=1e-38, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+    SamplingParams(temperature=1e-300, top_k=0, top_p=1.0, min_p=0.0, seed=1),  # 0 in float32: 0 / 0
+    SamplingParams(temperature=5e-324, top_k=40, top_p=0.95, min_p=0.05, seed=1),
     SamplingParams(temperature=0.8, top_k=0, top_p=5e-324, min_p=0.0, seed=1),  # 0 in float32
     SamplingParams(temperature=0.8, top_k=40, top_p=1e-45, min_p=0.0, seed=1),
 ])
