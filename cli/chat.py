@@ -563,14 +563,30 @@ class ChatSession:
             self.error(f"cannot save to {path}: {os_message(e)}")
             return
         self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}", "dim")
-        self._save_cache(path)
+        self._save_cache(path, force)
 
-    def _save_cache(self, path: Path) -> None:
-        """/save's KV sidecar (FILE.kv, a prompt-cache file), said on a line of its own."""
+    def _save_cache(self, path: Path, force: bool = False) -> None:
+        """/save's KV sidecar (FILE.kv, a prompt-cache file), said on a line of its own. Like
+        the conversation, it replaces a file there only for /save!; and /save! with nothing
+        cached removes the old conversation's sidecar, which /load would otherwise take."""
+        import os
+
+        from twice.weights import prompt_cache_file as pcf
+
         from . import prompt_cache as pc
 
         engine, side = self.engine, pc.sidecar(path)
+        there = os.path.lexists(side)
         if engine.cache is None or not engine.cached_ids:
+            if force and there and side.is_file() and not side.is_symlink() and pcf.looks_like_one(side):
+                try:
+                    side.unlink()
+                    self.say(f"removed the earlier KV cache {side} (nothing is cached now)", "dim")
+                except OSError as e:
+                    self.say(f"note: the earlier KV cache {side} was not removed: {os_message(e)}", "yellow")
+            return
+        if there and not force and side.is_file() and not side.is_symlink() and pcf.looks_like_one(side):
+            self.say(f"note: the KV cache was not saved to {side}: the file exists (/save! replaces it)", "yellow")
             return
         use = pc.PromptCacheUse(file=str(side))
         pc.save(engine, use, len(engine.cached_ids))

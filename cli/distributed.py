@@ -101,18 +101,15 @@ def merge_parts(output: Path, records: list, parts: list[Path] | None = None) ->
     if parts is None:
         parts = [path for path, _, _ in find_parts(output)]
     lines: dict[str, bytes] = {}
-    mode = None
     for source in [output, *parts]:
         if not os.path.lexists(source):
             continue
-        data, st = read_ours(source)
-        if source == output:
-            mode = st.st_mode & 0o777
+        data, _ = read_ours(source)
         for key, raw in our_lines(data, str(source)):
             lines.setdefault(key, raw)
     ordered = sorted(lines.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
     try:
-        write_atomic(output, b"".join(raw + b"\n" for _, raw in ordered), mode=mode, error=PromptError)
+        write_atomic(output, b"".join(raw + b"\n" for _, raw in ordered), error=PromptError)  # its mode kept
     except OSError as e:
         raise TwiceError(f"cannot write {output}: {e.strerror or e}") from None
     for source in parts:

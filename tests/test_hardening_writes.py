@@ -174,6 +174,39 @@ def test_modes_of_one_process_and_merged_outputs_are_equal(tmp_path, capsys, lla
         os.umask(old)
 
 
+def test_a_replaced_file_keeps_its_mode(tmp_path, capsys, monkeypatch, llama):
+    """/save! of a chat the user made private, its KV sidecar, a prompt cache rewritten by
+    generate: each keeps 0600 (write_atomic gave every replacement 0666 less the umask)."""
+    from twice.weights.safe_write import write_atomic
+
+    old = os.umask(0o022)
+    try:
+        plain = tmp_path / "plain.txt"
+        write_atomic(plain, "new")
+        assert plain.stat().st_mode & 0o777 == 0o644
+        os.chmod(plain, 0o600)
+        write_atomic(plain, "newer")
+        assert plain.stat().st_mode & 0o777 == 0o600 and plain.read_text() == "newer"
+        chat, side = tmp_path / "c.json", tmp_path / "c.json.kv"
+        run = lambda script: run_inprocess(["chat", "-m", llama, "-n", "2", "--temperature", "0"], capsys,
+                                           stdin=script, monkeypatch=monkeypatch)
+        assert run(f"hi\n/save {chat}\n".encode()).code == 0 and side.exists()
+        os.chmod(chat, 0o600), os.chmod(side, 0o600)
+        r = run(f"secret\n/save! {chat}\n".encode())
+        assert r.code == 0 and "(replaced)" in r.err, r.err
+        assert chat.stat().st_mode & 0o777 == side.stat().st_mode & 0o777 == 0o600
+        cache = tmp_path / "p.kv"
+        gen = lambda prompt: run_inprocess(["generate", prompt, "-m", llama, "-n", "1", "--prompt-cache", str(cache)],
+                                           capsys)
+        assert gen("one prompt").code == 0
+        os.chmod(cache, 0o600)
+        before = cache.read_bytes()
+        assert gen("another prompt altogether").code == 0 and cache.read_bytes() != before
+        assert cache.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
 # -- the cache: locked, atomic, no leftovers ------------------------------------------------
 def _cache_state(models: Path) -> list[str]:
     return sorted(os.listdir(models))

@@ -187,7 +187,7 @@ BAD = [
     ("header lies", _shape_lies, "corrupt prompt-cache entry for tensor 'k'"),
     ("token count lies", _tokens_lie, "its metadata says 24 tokens, token_ids holds 25"),
     ("wrong shapes", _wrong_shapes, "tensor 'k' is F32 [2, 3, 25, 16], this model's cache needs F32 [2, 2, 25, 16]"),
-    ("version 1", _version_1, "prompt-cache version '1', this twice reads 2"),
+    ("version 1", _version_1, 'prompt-cache version "1", this twice reads "2"'),
     ("not a prompt cache", _not_ours, "not a twice prompt cache"),
     ("empty", lambda p: p.write_bytes(b""), "truncated prompt-cache file"),
     ("huge header", lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "not a twice prompt cache"),
@@ -254,6 +254,14 @@ def test_a_foreign_file_is_never_replaced_and_a_stale_one_is(model_dirs, tmp_pat
     out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(stale))
     again, _ = _gen_cli(folder, PROMPT + " and more", capsys, "--prompt-cache", str(stale))
     assert again["reused_tokens"] == out["prompt_tokens"]  # replaced by this model's cache
+    # A file an older twice wrote (version 1) is ours too: refused, then replaced (it was kept
+    # as "not a twice prompt cache", refused again on every run).
+    old = _saved(model_dirs, tmp_path, name="old.kv")
+    _version_1(old)
+    out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(old))
+    assert any('version "1"' in line for line in err) and not any("not saved" in line for line in err), err
+    again, _ = _gen_cli(folder, PROMPT + " and more", capsys, "--prompt-cache", str(old))
+    assert again["reused_tokens"] == out["prompt_tokens"]
 
 
 @pytest.mark.parametrize("fault", ["read-only", "disk full"])
@@ -305,6 +313,25 @@ def test_chat_save_writes_the_kv_sidecar_and_load_spares_the_prefill(model_dirs,
     notes = [line for line in r.err.splitlines() if "not used" in line]
     assert r.code == 0 and len(notes) == 1 and "checksum" in notes[0]
     assert [line for line in r.err.splitlines() if line.startswith("reused")][-1].startswith("reused 0 ")
+
+
+def test_chat_save_replaces_a_sidecar_only_when_asked(model_dirs, tmp_path, capsys, monkeypatch):
+    """/save FILE next to an existing FILE.kv (another run's prompt cache) leaves it; /save!
+    replaces it; /save! with nothing cached removes the old one, which /load would take."""
+    folder = model_dirs("llama")
+    chat = lambda script: run_inprocess(["chat", "--model", str(folder), "-n", "2", "--temperature", "0"], capsys,
+                                        script.encode(), monkeypatch)
+    doc, side = tmp_path / "doc", tmp_path / "doc.kv"
+    _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(side))
+    before = side.read_bytes()
+    r = chat(f"hi\n/save {doc}\n")
+    assert r.code == 0 and doc.is_file() and side.read_bytes() == before, r.err
+    assert f"the KV cache was not saved to {side}: the file exists (/save! replaces it)" in r.err
+    r = chat(f"hi\n/save! {doc}\n")
+    assert r.code == 0 and "saved its KV cache (" in r.err and side.read_bytes() != before, r.err
+    r = chat(f"/save! {doc}\n/load {doc}\n")
+    assert r.code == 0 and not side.exists() and f"removed the earlier KV cache {side}" in r.err, r.err
+    assert "loaded its KV cache" not in r.err
 
 
 # -- context shift -----------------------------------------------------------------------

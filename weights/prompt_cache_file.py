@@ -63,16 +63,16 @@ def write(path: Path, tensors: dict[str, torch.Tensor], ids: list[int], metadata
 
 def looks_like_one(path: Path) -> bool:
     """Whether `path` is a prompt-cache file by its header (to replace it without asking)."""
-    try:
-        _header(Path(path))
+    try:  # of any version: a file an older twice wrote is ours to replace
+        _header(Path(path), any_version=True)
         return True
     except PromptCacheError:
         return False
 
 
-def _header(path: Path) -> tuple[dict, int, int]:
+def _header(path: Path, any_version: bool = False) -> tuple[dict, int, int]:
     """(header, data start, file size), the header checked as a checkpoint's, and a twice
-    prompt cache by its metadata's format and version."""
+    prompt cache by its metadata's format and (unless `any_version`) version."""
     from .checkpoint import _read_header
     from .files import open_regular
 
@@ -80,7 +80,8 @@ def _header(path: Path) -> tuple[dict, int, int]:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
     if len(head) == 8 and struct.unpack("<Q", head)[0] > MAX_HEADER_BYTES:
-        raise PromptCacheError(f"{path}: not a twice prompt cache (a header of {struct.unpack('<Q', head)[0]:,} bytes)")
+        raise PromptCacheError(f"{path}: not a twice prompt cache (not a safetensors file: its first 8 bytes "
+                               f"give a header of {struct.unpack('<Q', head)[0]:,} bytes)")
     try:
         header, start = _read_header(path)
     except WeightsError as e:
@@ -88,8 +89,9 @@ def _header(path: Path) -> tuple[dict, int, int]:
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT:
         raise PromptCacheError(f"{path}: not a twice prompt cache (a safetensors file without its metadata)")
-    if meta.get("version") != VERSION:
-        raise PromptCacheError(f"{path}: prompt-cache version {meta.get('version')!r}, this twice reads {VERSION}")
+    if meta.get("version") != VERSION and not any_version:
+        raise PromptCacheError(f"{path}: prompt-cache version {json.dumps(meta.get('version'))}, "
+                               f"this twice reads {json.dumps(VERSION)}")
     return header, start, size
 
 

@@ -30,7 +30,8 @@ through, while another thread or process waits or is refused.
 
 Modes: a file twice writes for the user (an output, a saved chat, a converted model) gets
 0666 less the umask, as `open()` would give it, whether it was written by one process or
-merged by rank 0 (mkstemp alone would leave 0600); private files (history, locks) 0600.
+merged by rank 0 (mkstemp alone would leave 0600); a file it replaces keeps the mode it
+had (a chat the user made 0600 stays private); private files (history, locks) 0600.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ PRIVATE = 0o600
 
 class WriteError(TwiceError):
     """A file twice was asked to write cannot be written safely (a link, a folder, busy)."""
+
+
+def replacing_mode(path: Path) -> int:
+    """The mode a file written over `path` gets: the permissions of the regular file it
+    replaces, else what open() gives a new one (user_mode)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return user_mode()
+    return st.st_mode & 0o777 if stat.S_ISREG(st.st_mode) else user_mode()
 
 
 def user_mode() -> int:
@@ -134,7 +145,7 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int | None = None,
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-            os.fchmod(f.fileno(), user_mode() if mode is None else mode)
+            os.fchmod(f.fileno(), replacing_mode(path) if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -352,11 +363,11 @@ def _replace_folder(work: Path, dest: Path, what: str | None, error: type[TwiceE
 def atomic_file(path: Path, *, mode: int | None = None, wait: bool = True, what: str | None = None,
                 error: type[TwiceError] = WriteError) -> Iterator[Path]:
     """Yield a temporary path beside `path` for another program to write (the compiler's
-    -o); when the block succeeds it gets `mode` (default 0666 less the umask) and is renamed
-    over `path`, otherwise it is removed. Under `path`'s lock (waiting by default), with
-    the leftovers of dead writers removed first. The temporary file is created by mkstemp
-    (O_EXCL, nothing planted at its name is followed): use it in a folder others cannot
-    write, as a program that writes by name may replace it."""
+    -o); when the block succeeds it gets `mode` (default: the replaced file's, else 0666 less
+    the umask) and is renamed over `path`, otherwise it is removed. Under `path`'s lock
+    (waiting by default), with the leftovers of dead writers removed first. The temporary
+    file is created by mkstemp (O_EXCL, nothing planted at its name is followed): use it in
+    a folder others cannot write, as a program that writes by name may replace it."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     with exclusive_lock(path, wait=wait, what=what, error=error):
@@ -366,7 +377,7 @@ def atomic_file(path: Path, *, mode: int | None = None, wait: bool = True, what:
         os.close(fd)
         try:
             yield Path(tmp)
-            os.chmod(tmp, user_mode() if mode is None else mode)
+            os.chmod(tmp, replacing_mode(path) if mode is None else mode)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
