@@ -256,6 +256,28 @@ def test_tokenizer_ids_past_the_vocabulary(llama, tmp_path, capsys, monkeypatch,
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def _unigram_without_q(folder: Path) -> None:
+    """The tokenizer as a Unigram model with no unk_id and no Q or q: tokenizers raises a
+    plain Exception for a text holding either (it was a traceback)."""
+    def change(j):
+        vocab = sorted(j["model"]["vocab"].items(), key=lambda kv: kv[1])
+        j["model"] = {"type": "Unigram", "unk_id": None, "byte_fallback": False,
+                      "vocab": [[t, -1.0] for t, _ in vocab if t not in ("Q", "q")]}
+    edit_json(folder / "tokenizer.json", change)
+
+
+def test_a_text_the_tokenizer_cannot_encode_is_one_line_and_a_batch_line_error(llama, tmp_path, capsys):
+    folder = copy_model(llama, tmp_path)
+    _unigram_without_q(folder)
+    r = run_inprocess(["generate", "Quick", "--raw", "-n", "2", "--model", str(folder)], capsys)
+    one_error_line(r, "the tokenizer cannot encode this text", "unk_id")
+    prompts, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    prompts.write_text("Quick\nhello\n")
+    r = run_inprocess(["batch", str(prompts), "--raw", "-n", "2", "-o", str(out), "--model", str(folder)], capsys)
+    assert r.code == 0 and "in.txt:1" in r.err and "cannot encode" in r.err and "Traceback" not in r.err, r.err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["2"]
+
+
 def test_a_sparse_vocabulary_past_the_model_is_one_line(llama, tmp_path, capsys):
     """A tokenizer.json whose vocabulary holds an id past the model while its size does
     not say so: refused when the prompt produces that id (batch skips that line, saying why)."""

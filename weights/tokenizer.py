@@ -298,6 +298,9 @@ class Tokenizer:
                 raise
             raise PromptError(f"the text holds an unpaired surrogate (U+{ord(text[where]):04X}) at character "
                               f"{where}, which is not valid Unicode") from None
+        except Exception as e:  # tokenizers' own failures are plain Exceptions (a Unigram model without unk_id)
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise PromptError(f"the tokenizer cannot encode this text ({reason[:200]})") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
