@@ -284,7 +284,7 @@ def test_our_reader_reads_what_gguf_reader_reads(small_gguf):
 
 
 @pytest.mark.parametrize("variant", ["big-endian", "aligned-64"])
-def test_other_byte_order_and_alignment_convert(tmp_path, monkeypatch, variant):
+def test_other_byte_order_and_alignment_convert(tmp_path, monkeypatch, capsys, variant):
     class Writer(gguf.GGUFWriter):
         def __init__(self, *args, **kwargs):
             if variant == "big-endian":
@@ -302,6 +302,15 @@ def test_other_byte_order_and_alignment_convert(tmp_path, monkeypatch, variant):
         assert np.array_equal(a.data, b.data)
     convert_gguf(src, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    # The float copy holds the file's values (gguf's dequantize viewed a big-endian F32 tensor
+    # as this machine's floats: garbage), and as stored gives the same tokens.
+    converted = load_file(str(tmp_path / "out" / "model.safetensors"))
+    norm = next(t for t in theirs.tensors if t.name == "blk.0.attn_norm.weight")
+    assert np.array_equal(converted["model.layers.0.input_layernorm.weight"].numpy(), norm.data.astype(np.float32))
+    runs = [run_inprocess(["generate", "hi", "--raw", "-n", "4", "--temperature", "0", "--json", "--model", str(src),
+                           *flag], capsys) for flag in ([], ["--dequantize"])]
+    assert all(r.code == 0 for r in runs), [r.err for r in runs]
+    assert json.loads(runs[0].out)["token_ids"] == json.loads(runs[1].out)["token_ids"]
 
 
 def test_misaligned_overlapping_and_gapped_tensors_are_refused(small_gguf):
@@ -514,3 +523,50 @@ def test_a_fifo_named_as_the_model_is_refused_without_hanging(tmp_path, capsys):
         assert f"{fifo}: not a regular file" in line, line
     with fifo_watchdog(fifo):
         refused(fifo, WeightsError, "not a regular file")
+
+
+# -- NaN or infinite numbers inside blocks --------------------------------------------------
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                       "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_all_finite_finds_every_scale_the_codec_reads(type_name):
+    """quant.all_finite reads exactly the fp16 fields (or float values) that make the
+    dequantized values NaN or infinite: a NaN or an infinity put in each field of a block is
+    found, and the reference dequantizer agrees that the block went bad."""
+    from twice.core import quant
+
+    c = quant.codec(type_name)
+    raw = quant.quantize(torch.randn(3, 512, generator=torch.Generator().manual_seed(1)), type_name, native=False)
+    assert quant.all_finite(raw, type_name)
+    fields = quant.HALF_FIELDS.get(type_name) or (0,)
+    for off in fields:
+        for bad in ((b"\x00\x7e", b"\x00\x7c") if type_name != "F32" else (b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f")):
+            spoiled = raw.clone().reshape(-1, c.type_size)
+            where = 5 if c.quantized else 1
+            spoiled[where, off:off + len(bad)] = torch.tensor(list(bad), dtype=torch.uint8)
+            if type_name == "BF16":
+                spoiled = spoiled.reshape(-1, 2)
+                spoiled[1] = torch.tensor([0x80, 0x7f], dtype=torch.uint8)  # bf16 infinity
+            assert not quant.all_finite(spoiled.reshape(raw.shape), type_name), (off, bad)
+            assert not torch.isfinite(quant.dequantize(spoiled.reshape(raw.shape), type_name)).all(), (off, bad)
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.ffn_up.weight", "blk.0.attn_norm.weight"])
+def test_a_gguf_with_a_nan_scale_or_value_is_refused_as_stored_and_by_convert(tmp_path, capsys, tensor):
+    """A NaN fp16 scale in a Q8_0 block ran as stored (garbage text, a perplexity of 561),
+    and twice convert wrote a folder twice then refused."""
+    from twice.weights.gguf_file import read_gguf
+
+    src = write_small_gguf(tmp_path / "m.gguf")
+    t = next(t for t in read_gguf(src).tensors if t.name == tensor)
+    data = bytearray(src.read_bytes())
+    if "ffn_up" in tensor:  # Q8_0: the first block's d, an fp16 NaN
+        data[t.data_offset:t.data_offset + 2] = b"\x00\x7e"
+    else:  # F32: the first value, a NaN
+        data[t.data_offset:t.data_offset + 4] = b"\x00\x00\xc0\x7f"
+    src.write_bytes(bytes(data))
+    line = one_error_line(run_inprocess(["generate", "hi", "--raw", "-n", "2", "--model", str(src)], capsys))
+    assert tensor in line and "NaN or infinite" in line, line
+    out = tmp_path / "float"
+    line = one_error_line(run_inprocess(["convert", str(src), str(out)], capsys))
+    assert tensor in line and "NaN or infinite values" in line and not out.exists(), line
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

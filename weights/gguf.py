@@ -755,9 +755,14 @@ def _load_weight(job: _TensorJob, src: Path, hf_layout: bool = True) -> np.ndarr
     import gguf
 
     with _reading(src):
-        weight = gguf.quants.dequantize(job.tensor.data, job.tensor.tensor_type)
-        # asarray also turns a big-endian file's data into native float32
+        data = job.tensor.data
+        if data.dtype.kind == "f":  # F32/F16 in the file's byte order: gguf's view(np.float32) would drop it
+            weight = data.astype(np.float32)
+        else:
+            weight = gguf.quants.dequantize(data, job.tensor.tensor_type)
         weight = np.asarray(weight, dtype=np.float32).reshape(job.stored_shape)
+    if not np.isfinite(weight).all():  # every float copy (as stored, --dequantize, twice convert) checks here
+        raise WeightsError(f"{src}: tensor {job.tensor.name} contains NaN or infinite values")
     if job.unpermute_heads:
         weight = _unpermute_rows(weight, job.unpermute_heads)
     if job.shift:

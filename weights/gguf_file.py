@@ -77,6 +77,11 @@ class GGUFTensor:
     _order: str
 
     @property
+    def swapped(self) -> bool:
+        """Whether the file's numbers are big-endian (F32/F16 values; block bytes never are)."""
+        return self._order == ">"
+
+    @property
     def data(self) -> np.ndarray:
         import gguf
 

@@ -28,7 +28,7 @@ import torch
 
 from twice.core.errors import ModelNotFoundError, UnsupportedModelError, WeightsError
 from twice.core.model import CausalLM
-from twice.core.quant import BY_GGML_TYPE
+from twice.core.quant import BY_GGML_TYPE, all_finite
 
 from .files import open_regular, read_json
 from .gguf import GGUF_SOURCE, _find_tensor, _load_weight, _model_config, _open_reader, _plan_tensors, _reading, \
@@ -146,8 +146,6 @@ class StoredTensors:
                     if weight is None:
                         weight = torch.from_numpy(np.array(_load_weight(job, self.src, hf_layout=False),
                                                            dtype=np.float32))
-                        if not bool(torch.isfinite(weight).all()):
-                            raise WeightsError(f"{self.src}: tensor {job.tensor.name} contains NaN or infinite values")
                     src = target.source
                     dest.copy_(weight if src is None else weight.narrow(target.param_dim, src.start, src.stop - src.start))
 
@@ -165,6 +163,12 @@ class StoredTensors:
             if got <= 0:
                 raise WeightsError(f"{self.src}: truncated at tensor {t.name}")
             done += got
+        c = BY_GGML_TYPE[int(t.tensor_type)]
+        if t.swapped and not c.quantized:  # a big-endian file's float values, to this machine's order
+            np.frombuffer(view, dtype=f"u{c.type_size}").byteswap(inplace=True)
+        if not all_finite(target, c.name):  # the blocks run as they are: refused as the float copy would be
+            raise WeightsError(f"{self.src}: tensor {t.name} ({c.name}) holds NaN or infinite "
+                               f"{'block scales' if c.quantized else 'values'}")
         if job.unpermute_heads:
             order = _unpermute_rows(np.arange(dest.shape[0]), job.unpermute_heads)
             dest.copy_(target[torch.from_numpy(np.ascontiguousarray(order))])

@@ -81,6 +81,36 @@ CODECS: dict[str, Codec] = {
 
 BY_GGML_TYPE: dict[int, Codec] = {c.ggml_type: c for c in CODECS.values()}
 
+# Where each block type keeps its fp16 fields (d; m or dmin): byte offsets within a block.
+# A NaN or infinite one makes every value of its block NaN or infinite.
+HALF_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+# The exponent bits of the float types (all set: NaN or infinite), by the integer view of a value.
+_NOT_FINITE = {"F16": (torch.int16, 0x7C00), "BF16": (torch.int16, 0x7F80), "F32": (torch.int32, 0x7F800000)}
+
+
+def all_finite(raw: torch.Tensor, type_name: str) -> bool:
+    """Whether whole blocks of `type_name` (uint8 bytes, as stored) hold only finite numbers:
+    a float type's values, a block type's fp16 scales and minima (llama.cpp's
+    ggml_validate_row_data checks the same). Read in slices: no copy of a large tensor."""
+    c = codec(type_name)
+    flat = raw.reshape(-1)
+    if not c.quantized:
+        view, mask = _NOT_FINITE[c.name]
+        values = flat.view(view)
+        step = 1 << 22
+        return not any(bool(((values[i:i + step] & mask) == mask).any()) for i in range(0, values.numel(), step))
+    blocks = flat.reshape(-1, c.type_size)
+    step = 1 << 20
+    for off in HALF_FIELDS[c.name]:
+        for i in range(0, blocks.shape[0], step):
+            half = blocks[i:i + step, off:off + 2].contiguous().view(torch.int16)
+            if bool(((half & 0x7C00) == 0x7C00).any()):
+                return False
+    return True
+
 
 def codec(type_name: str) -> Codec:
     """The codec for a type name such as ``"Q4_K"`` (case-insensitive)."""
