@@ -46,6 +46,7 @@ def quantize(
             status.start()
         say = (lambda message: status.update(message)) if status is not None else None
         folder = _float_folder(resolve, model, revision, say)
+        _refuse_own_input(out, model, folder)
 
         def progress(index: int, total: int, plan) -> None:
             if status is not None:
@@ -82,6 +83,19 @@ def _refuse_existing(out: Path, overwrite: bool) -> None:
         raise WeightsError(f"{out}: is a folder; give the GGUF file's name")
     if out.exists() and not overwrite:
         raise WeightsError(f"{out}: exists (pass --overwrite to replace it)")
+
+
+def _refuse_own_input(out: Path, model: str, folder: Path) -> None:
+    """OUT must not be the model being quantized, nor a file of the folder it is read from
+    (--overwrite would destroy the source: its config.json or safetensors made GGUF bytes)."""
+    from twice.core.errors import WeightsError
+
+    target = out.resolve()
+    source = user_path(model)
+    if source.is_file() and source.resolve() == target:
+        raise WeightsError(f"{out}: is the model being quantized; --overwrite would replace it (choose another name)")
+    if target.is_relative_to(folder.resolve()):
+        raise WeightsError(f"{out}: is inside {folder}, the model folder being read; choose a name outside it")
 
 
 def _model_name(ref: str, folder: Path) -> str:

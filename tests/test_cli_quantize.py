@@ -329,6 +329,23 @@ def test_existing_output_is_kept_without_overwrite(tmp_path, capsys, model_dirs)
     assert out.read_bytes()[:4] == b"GGUF"
 
 
+def test_an_output_that_is_the_input_or_inside_its_folder_is_refused(tmp_path, capsys, model_dirs):
+    """--overwrite made the source's config.json (or safetensors, or the GGUF itself) GGUF bytes."""
+    import shutil
+
+    folder = tmp_path / "victim"
+    shutil.copytree(model_dirs("llama"), folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for name in ("config.json", "model.safetensors", "new.gguf"):
+        r = run_inprocess(["quantize", str(folder), str(folder / name), "--type", "q8_0", "--overwrite"], capsys)
+        assert "the model folder being read; choose a name outside it" in one_error_line(r)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    src, _ = _quantize(tmp_path, capsys, folder, "q8_0", "src.gguf")
+    kept = src.read_bytes()
+    r = run_inprocess(["quantize", str(src), str(src), "--type", "q4_0", "--overwrite"], capsys)
+    assert "is the model being quantized" in one_error_line(r) and src.read_bytes() == kept
+
+
 @pytest.mark.parametrize("bad", ["q9_0", "iq4_xs", ""])
 def test_unknown_type_is_one_line(tmp_path, capsys, model_dirs, bad):
     r = run_inprocess(["quantize", str(model_dirs("llama")), str(tmp_path / "o.gguf"), "--type", bad], capsys)
