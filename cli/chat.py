@@ -440,10 +440,11 @@ class ChatSession:
         return shifted
 
     def _protected(self, turns: list[list[dict]]) -> int:
-        """How many leading turns --keep N protects: those that begin within the first N tokens."""
+        """How many leading turns --keep N protects: those that begin within the first N tokens
+        (the first turn begins after the system message, not at 0)."""
         k = 0
         while self.keep and k < len(turns):
-            begin = self._size([m for t in turns[:k] for m in t]) if k else 0
+            begin = self._size([m for t in turns[:k] for m in t]) if k or self.system else 0
             if begin is None or begin >= self.keep:
                 break
             k += 1

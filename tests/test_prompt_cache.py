@@ -440,6 +440,11 @@ def test_chat_context_shift_drops_old_turns_and_prefills_only_the_new(model_dirs
     # --keep N protecting every turn: nothing may be dropped, so the same refusal
     r = run_inprocess([*args, "--context-shift", "--keep", "1000"], capsys, script, monkeypatch)
     assert "no longer fits the context" in r.err and "context shift" not in r.err
+    # --keep N shorter than the system message protects the system message only: the first
+    # turn begins after it (it was taken to begin at 0, so it was kept and nothing could go).
+    r = run_inprocess([*args[:-1], "a system message of some length " * 4, "--context-shift", "--keep", "2"],
+                      capsys, script, monkeypatch)
+    assert r.code == 0 and "context shift: dropped" in r.err and "no longer fits" not in r.err, r.err
 
 
 # -- quantized KV caches (--kv-dtype, core/cache.py) --------------------------------------
