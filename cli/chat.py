@@ -360,7 +360,11 @@ class ChatSession:
             return
         n = self._turns_to_drop(conversation[-1])
         if n is None:
-            hint = "your message alone does not fit; shorten it"
+            system = self._size([]) if self.system else None
+            if system is not None and system + 1 >= context:
+                hint = f"the system message alone is {system} tokens; /system TEXT shortens it, /system - removes it"
+            else:
+                hint = "your message alone does not fit; shorten it"
         else:
             hint = (f"/drop {n} (drop the {n} oldest turn{'' if n == 1 else 's'}) makes room, "
                     f"/reset starts over")

@@ -299,6 +299,16 @@ def test_save_replaces_only_when_asked_and_only_a_chat_file(model_dirs, tmp_path
 
 
 # -- a reply cut by Ctrl-C ------------------------------------------------------------------------
+def test_a_system_message_too_long_for_the_context_is_named_not_the_users(model_dirs, capsys, monkeypatch):
+    big = "system words here " * 60  # ~800 tokens against the tiny model's 256
+    r = chat(capsys, monkeypatch, model_dirs("llama"), [f"/system {big}", "hi"])
+    (line,) = errors(r)
+    assert "the system message alone is" in line and "/system - removes it" in line and "your message" not in line
+    r = chat(capsys, monkeypatch, model_dirs("llama"), ["hi"], "--system", big)
+    (line,) = errors(r)
+    assert "the system message alone is" in line, r.err
+
+
 def test_a_reply_cut_before_any_text_keeps_no_empty_message(model_dirs, tmp_path, capsys, monkeypatch):
     """Ctrl-C in the prefill: the turn goes (no empty assistant message, no user message
     left without a reply), and the next turn's prompt is the saved conversation plus its
