@@ -235,7 +235,8 @@ class PlainReader:
             except UnicodeDecodeError as e:
                 raise ValueError(f"line {self.line_number} of standard input is not valid UTF-8 "
                                  f"(byte {e.start})") from None
-        return raw[:-1] if raw.endswith("\n") else raw
+        # A line ends at "\n" or "\r\n" (a script saved on Windows): the "\r" is not the user's text.
+        return raw.removesuffix("\n").removesuffix("\r") if raw.endswith("\n") else raw
 
     def read(self) -> str | None:
         try:

@@ -309,6 +309,15 @@ def test_a_system_message_too_long_for_the_context_is_named_not_the_users(model_
     assert "the system message alone is" in line, r.err
 
 
+def test_crlf_lines_on_standard_input_are_lines_without_the_cr(model_dirs, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "c.json"
+    script = f"hi\r\n/save {out}\r\n".encode()
+    r = run_inprocess(["chat", "--model", str(model_dirs("llama")), "-n", "2", "--temperature", "0"], capsys,
+                      script, monkeypatch)
+    assert r.code == 0 and out.is_file(), r.err  # the file name has no "\r" either
+    assert saved(out)[0] == {"role": "user", "content": "hi"}
+
+
 def test_a_reply_cut_before_any_text_keeps_no_empty_message(model_dirs, tmp_path, capsys, monkeypatch):
     """Ctrl-C in the prefill: the turn goes (no empty assistant message, no user message
     left without a reply), and the next turn's prompt is the saved conversation plus its
