@@ -154,6 +154,8 @@ def _option(key: str, value):
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise _BadLine(f'"stop" must be a string or a list of strings, got {_kind(value)}')
+        if "" in stops:  # as --stop "": a text that matches nothing is a mistake, not a request
+            raise _BadLine('"stop" holds an empty text, which matches nothing')
         return tuple(_text(s, '"stop"') for s in stops)
     if key in ("temperature", "top_p"):
         number = _float(key, value)

@@ -206,6 +206,15 @@ def test_bad_lines_are_reported_with_line_numbers_and_the_rest_run(tmp_path, cap
     assert "Traceback" not in r.err
 
 
+def test_an_empty_stop_text_is_a_bad_line_as_the_flag_is_refused():
+    text = "".join(json.dumps(o) + "\n" for o in ({"id": 1, "prompt": "a", "stop": ""},
+                                                  {"id": 2, "prompt": "b", "stop": ["x", ""]},
+                                                  {"id": 3, "prompt": "c", "stop": []}))
+    records, errors = parse_input(text, "jsonl")
+    assert [r.id for r in records] == [3]
+    assert [(e.line, "empty text, which matches nothing" in e.message) for e in errors] == [(1, True), (2, True)]
+
+
 def test_strict_stops_before_any_work(tmp_path, capsys, llama):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(BAD_INPUT)
