@@ -32,7 +32,7 @@ from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_o
 from .console import COLOR, err_console
 from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
-from .format import human_bytes, seconds
+from .format import counted, human_bytes, seconds
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MEMORY_SHARE = 0.25  # of available memory, for the KV cache of one batch
@@ -242,7 +242,7 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
             stats.prompts -= len(left)
             stats.generated_tokens -= sum(tokens[i] for i in left)
             say(f"note: out of memory with {held} prompts in a batch; running the "
-                f"{_count(len(started), 'unfinished prompt')} again, {size} at a time")
+                f"{counted(len(started), 'unfinished prompt')} again, {size} at a time")
             pending = [jobs[i] for i in left]
         finally:
             stats.largest_batch = max(stats.largest_batch, scheduler.counters.most_running)
@@ -481,7 +481,7 @@ def batch(
             if launch.rank == 0 and merge is not None:
                 final_path, records = merge
                 lines = merge_parts(final_path, records)
-                _say(f"merged the parts of {launch.world} ranks into {final_path} ({_count(lines, 'line')})")
+                _say(f"merged the parts of {launch.world} ranks into {final_path} ({counted(lines, 'line')})")
     finally:
         locks.close()
         finish(launch)
@@ -566,17 +566,17 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         _report_lines(name, errors, records)
     check_resumed(state, records, name, output)
     if state.existing and launch.rank == 0:
-        _say(f"note: {output}: continuing ({_count(len(state.done), 'result')} of an earlier run kept)")
+        _say(f"note: {output}: continuing ({counted(len(state.done), 'result')} of an earlier run kept)")
     if strict and errors:
-        raise PromptError(f"{_count(len(errors), 'bad line')} in {name}; nothing was run (--strict)")
+        raise PromptError(f"{counted(len(errors), 'bad line')} in {name}; nothing was run (--strict)")
     if not records and not errors:
         raise PromptError(f"{name} holds no prompts")
     if not records:
-        raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {name} are bad")
+        raise PromptError(f"no prompt could run: all {counted(len(errors), 'line')} of {name} are bad")
     if parts and not data_parallel:  # an interrupted data-parallel run's results join the output first
         lines = merge_parts(out_path, records, parts)
-        _say(f"note: merged {_count(len(parts), 'part file')} of an interrupted data-parallel run into {output} "
-             f"({_count(lines, 'line')})")
+        _say(f"note: merged {counted(len(parts), 'part file')} of an interrupted data-parallel run into {output} "
+             f"({counted(lines, 'line')})")
         out_path, state = check_output(output, resume)
     mine, done, merge = records, state.done, None
     if data_parallel:  # this rank's share goes to its own part file
@@ -588,7 +588,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     todo = [r for r in mine if r.key not in done]
     if not todo:
         if not data_parallel:
-            _say(f"nothing to do: all {_count(len(records), 'prompt')} of {name} are already in {output}")
+            _say(f"nothing to do: all {counted(len(records), 'prompt')} of {name} are already in {output}")
         return merge
     plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
                 batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats, kv_dtype=kv_dtype)
@@ -627,13 +627,13 @@ def _run(loaded, plan: Plan, base) -> None:
         _report_lines(plan.name, token_errors, [])
     errors = plan.errors + token_errors
     if plan.strict and token_errors:
-        raise PromptError(f"{_count(len(token_errors), 'prompt')} of {plan.name} cannot be tokenized; "
+        raise PromptError(f"{counted(len(token_errors), 'prompt')} of {plan.name} cannot be tokenized; "
                           "nothing was run (--strict)")
     if not jobs:
-        raise PromptError(f"no prompt could run: all {_count(len(errors), 'line')} of {plan.name} are bad")
+        raise PromptError(f"no prompt could run: all {counted(len(errors), 'line')} of {plan.name} are bad")
     size, why = (plan.batch_size, "--batch-size") if plan.batch_size else _auto_size(engine, jobs, loaded.device)
     if plan.state.keep_bytes is not None:
-        say(f"note: {plan.out_path}: dropped an incomplete last line ({_count(plan.state.dropped_bytes, 'byte')}) "
+        say(f"note: {plan.out_path}: dropped an incomplete last line ({counted(plan.state.dropped_bytes, 'byte')}) "
             "left by an interrupted run")
     stats = Stats()
     writer = NullWriter() if plan.quiet else Writer(plan.out_path, plan.state)
@@ -685,7 +685,7 @@ def _quiet(message: str) -> None:
 
 
 def _finish(stats: Stats, bad_lines: int, already: int) -> None:
-    parts = [f"{_count(stats.done, 'prompt')} done", f"{bad_lines} skipped (bad lines)"]
+    parts = [f"{counted(stats.done, 'prompt')} done", f"{bad_lines} skipped (bad lines)"]
     if stats.failed:
         parts.insert(1, f"{stats.failed} failed (error lines in the output)")
     if already:
@@ -742,10 +742,6 @@ def _say(message: str) -> None:
     from .errors import printable  # messages quote files' contents: never raw escapes
 
     err_console().print(printable(message), markup=False, highlight=False, soft_wrap=True)
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _isatty(stream) -> bool:

@@ -25,7 +25,7 @@ from . import options as o
 from .app import app
 from .chat_input import BLOCK, TerminalReader, make_reader
 from .console import COLOR, err_console
-from .format import os_message
+from .format import counted, os_message
 from .conversation_file import SAVE_VERSION, read_conversation, refuse_overwrite, write_atomic
 from .readout import Readout
 
@@ -567,7 +567,7 @@ class ChatSession:
         except (OSError, ValueError) as e:
             self.error(f"cannot save to {path}: {os_message(e)}")
             return
-        self.say(f"saved {len(self.messages)} messages to {path}{' (replaced)' if replaced else ''}", "dim")
+        self.say(f"saved {counted(len(self.messages), 'message')} to {path}{' (replaced)' if replaced else ''}", "dim")
         self._save_cache(path, force)
 
     def _save_cache(self, path: Path, force: bool = False) -> None:
@@ -598,7 +598,7 @@ class ChatSession:
         if use.not_saved is not None:
             self.say(f"note: the KV cache was not saved to {side}: {use.not_saved}", "yellow")
             return
-        self.say(f"saved its KV cache ({use.saved_tokens} tokens) to {side}", "dim")
+        self.say(f"saved its KV cache ({counted(use.saved_tokens, 'token')}) to {side}", "dim")
 
     def _file_text(self) -> str:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,
@@ -621,7 +621,7 @@ class ChatSession:
         note = ""
         if model and model != self.loaded.name:
             note = f" (saved with {model}; continuing with {self.loaded.name})"
-        self.say(f"loaded {len(messages)} messages from {path}{note}", "dim")
+        self.say(f"loaded {counted(len(messages), 'message')} from {path}{note}", "dim")
         self._load_cache(path)
 
     def _load_cache(self, path: Path) -> None:
@@ -634,7 +634,7 @@ class ChatSession:
             self.say(f"note: the KV cache {side} not used ({use.refused}); the next turn prefills the conversation",
                      "yellow")
         if use.loaded_tokens:
-            self.say(f"loaded its KV cache ({use.loaded_tokens} tokens) from {side}", "dim")
+            self.say(f"loaded its KV cache ({counted(use.loaded_tokens, 'token')}) from {side}", "dim")
 
 
     def _check_template(self, system: str | None, messages: list[dict]) -> None:

@@ -22,6 +22,9 @@ def convert(
     from twice.core.errors import ModelNotFoundError, WeightsError
     from twice.weights.gguf import DestinationExists, convert_gguf
 
+    if src.is_dir():
+        raise ModelNotFoundError(f"{src}: is a folder; twice convert reads a .gguf file (a model folder "
+                                 "already is what it writes)")
     if not src.is_file():
         raise ModelNotFoundError(f"{src}: no such file")
     if overwrite:

@@ -50,3 +50,8 @@ def os_message(e: Exception) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return str(e)
+
+
+def counted(n: int, word: str) -> str:
+    """"1 message", "2 messages": n and the word, plural unless n is 1."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"

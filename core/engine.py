@@ -563,7 +563,7 @@ class Engine:
                 if at_least > room:
                     raise PromptError(
                         f"the prompt is at least {at_least} tokens but the model's context is "
-                        f"{self.context_length}: at least {at_least - room} tokens too many (refused before "
+                        f"{self.context_length}: at least {at_least - room} token{'s' if at_least - room != 1 else ''} too many (refused before "
                         "tokenizing; leave room for at least one new token)")
             ids = self.tokenizer.encode(text, add_special_tokens=special)
         if ids and max(ids) >= self.config.vocab_size:  # load() checks the tokenizer's size; this, a sparse vocabulary
@@ -592,8 +592,9 @@ class Engine:
         room = self.context_length - len(ids)
         if room < 1:
             raise PromptError(
-                f"the prompt is {len(ids)} tokens but the model's context is {self.context_length}: "
-                f"{1 - room} tokens too many (leave room for at least one new token)"
+                f"the prompt is {len(ids)} token{'s' if len(ids) != 1 else ''} but the model's context is "
+                f"{self.context_length}: {1 - room} token{'s' if room != 0 else ''} too many (leave room for at "
+                "least one new token)"
             )
         return min(settings.max_new_tokens, room)
 

@@ -272,7 +272,7 @@ def test_load_refuses_a_conversation_the_template_cannot_go_on_with(model_dirs, 
     [line] = errors(r)
     assert "the model's chat template cannot go on with it" in line and "roles must alternate" in line
     assert len(saved(out)) == 2
-    assert "loaded 1 messages" in r.err and len(turns(r)) == 2  # a file ending with the user's message: /retry answers it
+    assert "loaded 1 message " in r.err and len(turns(r)) == 2  # a file ending with the user's message: /retry answers it
 
 
 # -- /save: never over a file unasked -------------------------------------------------------

@@ -123,7 +123,7 @@ def integer_tensor(folder):
     tensors = load_file(folder / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return "model.safetensors", "tensor 'model.norm.weight' has dtype I32, expected a float type"
+    return "model.safetensors", "tensor 'model.norm.weight' has dtype I32, expected one of F64, F32, F16, BF16"
 
 
 def nan_weights(folder):

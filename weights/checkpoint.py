@@ -303,7 +303,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorFile]]:
                 raise WeightsError(f"{path}: tensor {name!r} is also in {seen[name]}")
             seen[name] = path
             if tf.header[name]["dtype"] not in _TORCH_FLOATS and not name.endswith(_IGNORED_SUFFIXES):
-                raise WeightsError(f"{path}: tensor {name!r} has dtype {tf.header[name]['dtype']}, expected a float type")
+                raise WeightsError(f"{path}: tensor {name!r} has dtype {tf.header[name]['dtype']}, expected one of {', '.join(_TORCH_FLOATS)}")
             yield name, tf
 
 
