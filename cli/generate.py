@@ -148,7 +148,7 @@ def _generate(text, model, revision, device, dtype, max_new_tokens, temperature,
             from . import prompt_cache as pc
 
             cached = pc.load(engine, cache_file)
-            for line in pc.notices(cached):
+            for line in pc.notices(cached, read_only=cache_ro):
                 note(line)
         for event in engine.generate(request, settings):
             if isinstance(event, Notice):

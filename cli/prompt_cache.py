@@ -25,6 +25,7 @@ class PromptCacheUse:
     refused: str | None = None  # why the file was not used
     saved_tokens: int = 0
     not_saved: str | None = None  # why it was not written
+    missing: bool = False  # no file there (a first run makes it; with --prompt-cache-ro, a typo?)
 
     def to_dict(self) -> dict:
         return {"file": self.file, "loaded_tokens": self.loaded_tokens, "refused": self.refused,
@@ -62,6 +63,7 @@ def load(engine, path: str) -> PromptCacheUse:
     use = PromptCacheUse(file=path)
     p = user_path(path)
     if not p.exists() and not p.is_symlink():
+        use.missing = True
         return use
     try:
         use.loaded_tokens = pcf.load_into(engine, p)
@@ -93,9 +95,12 @@ def save(engine, use: PromptCacheUse, tokens: int, ids: list[int] | None = None)
         use.not_saved = os_message(e)
 
 
-def notices(use: PromptCacheUse) -> list[str]:
+def notices(use: PromptCacheUse, read_only: bool = False) -> list[str]:
     """The lines a run says about its prompt cache."""
     out = []
+    if use.missing and read_only:  # nothing will ever make it: say so, once
+        out.append(f"prompt cache {use.file}: no such file (--prompt-cache-ro never writes one); "
+                   "prefilling the whole prompt")
     if use.refused is not None:
         out.append(f"prompt cache {use.file} not used ({use.refused}); prefilling the whole prompt")
     elif use.loaded_tokens:

@@ -44,7 +44,7 @@ class SamplingParams:
         if not (0 <= self.min_p < 1):
             bad(f"min-p must be in [0, 1), got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            bad(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            bad(f"repetition penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             bad(f"seed must be in [0, 2^63), got {self.seed}")
 

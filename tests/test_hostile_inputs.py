@@ -602,7 +602,7 @@ def test_max_new_tokens_beyond_the_context_is_clamped(llama, capsys):
     (["--top-p", "1.5"], "top-p must be in (0, 1]"),
     (["--min-p", "1"], "min-p must be in [0, 1)"),
     (["--top-k", "-3"], "top-k must be a whole number >= 0"),
-    (["--repetition-penalty", "0"], "repetition penalty must be > 0"),
+    (["--repetition-penalty", "0"], "repetition penalty must be a finite number > 0"),
     (["--seed", "-1"], "seed must be in [0, 2^63)"),
     (["-n", "0"], "max new tokens must be at least 1"),
     (["--prefill-chunk", "0"], "prefill chunk must be at least 1 token"),

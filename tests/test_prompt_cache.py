@@ -117,6 +117,11 @@ def test_prompt_cache_ro_alone_and_a_folder_are_one_line(model_dirs, tmp_path, c
     assert "--prompt-cache-ro needs --prompt-cache FILE" in one_error_line(r)
     r = run_inprocess(["generate", "hi", "--model", str(folder), "--prompt-cache", str(tmp_path)], capsys)
     assert "is a folder" in one_error_line(r)
+    # a read-only cache that is not there (a typo?) is said once, and nothing is written
+    missing = tmp_path / "typo.kv"
+    r = run_inprocess(["generate", "hi", "-n", "1", "--model", str(folder), "--prompt-cache", str(missing),
+                       "--prompt-cache-ro"], capsys)
+    assert r.code == 0 and r.err.count(f"prompt cache {missing}: no such file") == 1 and not missing.exists(), r.err
 
 
 # -- bad files ---------------------------------------------------------------------------
