@@ -570,3 +570,18 @@ def test_a_gguf_with_a_nan_scale_or_value_is_refused_as_stored_and_by_convert(tm
     line = one_error_line(run_inprocess(["convert", str(src), str(out)], capsys))
     assert tensor in line and "NaN or infinite values" in line and not out.exists(), line
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("metadata, args, words", [
+    ({"tokenizer.chat_template": "{{ raise_exception('nope') }}"}, ["generate", "hi", "-n", "1", "--chat", "--model"],
+     "nope (in {src}: tokenizer.chat_template)"),
+    ({"tokenizer.chat_template": "{% if %}"}, ["generate", "hi", "-n", "1", "--chat", "--model"],
+     "{src}: tokenizer.chat_template: chat template syntax error"),
+    ({"llama.context_length": 3_000_000_000}, ["info"], "{src} (metadata): max_position_embeddings"),
+])
+def test_a_gguf_s_bad_metadata_is_named_by_the_gguf_not_the_cache(tmp_path, capsys, metadata, args, words):
+    """The folder twice writes into its cache from a GGUF's metadata is not the user's: errors
+    about its config.json or tokenizer_config.json name the .gguf (and its key) instead."""
+    src = write_small_gguf(tmp_path / "m.gguf", metadata=metadata)
+    line = one_error_line(run_inprocess([*args, str(src)], capsys))
+    assert words.format(src=src) in line and "as-stored" not in line, line

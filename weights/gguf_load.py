@@ -21,12 +21,13 @@ is the model's own tensors, about the file's tensor bytes.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from twice.core.errors import ModelNotFoundError, UnsupportedModelError, WeightsError
+from twice.core.errors import ModelNotFoundError, TwiceError, UnsupportedModelError, WeightsError
 from twice.core.model import CausalLM
 from twice.core.quant import BY_GGML_TYPE, all_finite
 
@@ -35,6 +36,28 @@ from .gguf import GGUF_SOURCE, _find_tensor, _load_weight, _model_config, _open_
     _TensorJob, _unpermute_rows
 
 _FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype → ggml type id
+
+
+@contextmanager
+def named_as_the_gguf(folder: Path, gguf: Path | None):
+    """Errors about a described folder's files (config.json, tokenizer files: what twice
+    wrote in its cache from a GGUF's metadata) name the GGUF file the user gave instead."""
+    if gguf is None:
+        yield
+        return
+    try:
+        yield
+    except TwiceError as e:
+        e.args = (user_facing(str(e), folder, gguf), *e.args[1:])
+        raise
+
+
+def user_facing(message: str, folder: Path, gguf: Path) -> str:
+    """`message` with the cache folder's files replaced by the GGUF's parts they came from."""
+    for name, part in (("config.json", "metadata"), ("generation_config.json", "metadata"),
+                       ("tokenizer_config.json", "tokenizer metadata"), ("tokenizer.json", "tokenizer")):
+        message = message.replace(str(folder / name), f"{gguf} ({part})")
+    return message.replace(str(folder), str(gguf))
 
 
 def gguf_source(folder: Path) -> Path | None:

@@ -7,7 +7,7 @@ from twice.core.errors import UsageError
 
 from .checkpoint import checkpoint_files, validate_header
 from .files import read_config, read_generation_config
-from .gguf_load import gguf_source, stored_formats
+from .gguf_load import gguf_source, named_as_the_gguf, stored_formats
 from .resolve import resolve
 from .tokenizer import Tokenizer
 
@@ -20,12 +20,13 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
     if name not in DTYPES:  # before resolving: a typo must not start a download
         raise UsageError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     folder = resolve(ref, revision, dequantize=dequantize)
-    config = read_config(folder)
-    generation = read_generation_config(folder, config)
-    tokenizer = Tokenizer(folder)
+    gguf = gguf_source(folder)
+    with named_as_the_gguf(folder, gguf):
+        config = read_config(folder)
+        generation = read_generation_config(folder, config)
+        tokenizer = Tokenizer(folder, shown_as=gguf)
     element = DTYPES[name].itemsize
     params = config.parameter_count()
-    gguf = gguf_source(folder)
     if gguf is not None:  # run as stored: the file's types and bytes
         formats = stored_formats(gguf)
         stored = set(formats["types"])

@@ -18,7 +18,7 @@ from twice.core.qweight import interleave_weights
 
 from .checkpoint import checkpoint_files, load_into
 from .files import GenerationDefaults, read_config, read_generation_config
-from .gguf_load import StoredTensors, gguf_source
+from .gguf_load import StoredTensors, gguf_source, named_as_the_gguf
 from .resolve import resolve
 from .tokenizer import Tokenizer
 
@@ -125,16 +125,17 @@ def load(ref: str | None = None, revision: str | None = None, device: str = "aut
     dt, dtype_reason = dtype_choice(dtype, dev)
     folder = resolve(ref, revision, progress, dequantize=weights is not None)
     say("reading config")
-    config = read_config(folder)
-    generation = read_generation_config(folder, config)
     gguf = gguf_source(folder)
-    # Fail on a missing/corrupt/pickle checkpoint (or a GGUF we cannot run) before building anything.
-    stored = StoredTensors(gguf) if gguf is not None else None
-    files = checkpoint_files(folder, config) if stored is None else []
-    t1 = time.perf_counter()
-    say("reading tokenizer")
-    tokenizer = Tokenizer(folder)
-    check_vocabulary(tokenizer, config, folder)
+    with named_as_the_gguf(folder, gguf):
+        config = read_config(folder)
+        generation = read_generation_config(folder, config)
+        # Fail on a missing/corrupt/pickle checkpoint (or a GGUF we cannot run) before building anything.
+        stored = StoredTensors(gguf) if gguf is not None else None
+        files = checkpoint_files(folder, config) if stored is None else []
+        t1 = time.perf_counter()
+        say("reading tokenizer")
+        tokenizer = Tokenizer(folder, shown_as=gguf)
+        check_vocabulary(tokenizer, config, folder)
     t2 = time.perf_counter()
     try:
         say(f"building the model on {dev} in {DTYPE_NAMES.get(dt, dt)}")

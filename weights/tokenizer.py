@@ -238,8 +238,11 @@ class TextStream:
 
 
 class Tokenizer:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, shown_as: Path | None = None):
         self.folder = folder
+        # The GGUF file a described folder was written from: the chat template's messages name
+        # it (the user never saw the cache folder's tokenizer_config.json).
+        self.shown_as = shown_as
         path = folder / "tokenizer.json"
         if not path.exists():  # a FIFO or device is refused by read_limited, never opened blocking
             raise TokenizerError(f"{folder}: no tokenizer.json (twice reads fast-tokenizer files only)")
@@ -356,8 +359,10 @@ class Tokenizer:
         return template or None
 
     @property
-    def chat_template_source(self) -> Path:
+    def chat_template_source(self) -> Path | str:
         """The file the chat template came from (for messages)."""
+        if self.shown_as is not None:
+            return f"{self.shown_as}: tokenizer.chat_template"
         jinja_file = self.folder / "chat_template.jinja"
         return jinja_file if jinja_file.exists() else self.folder / "tokenizer_config.json"
 
@@ -368,7 +373,7 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise TokenizerError(f"{self.folder}: the tokenizer has no chat template (use --raw)")
+            raise TokenizerError(f"{self.shown_as or self.folder}: the tokenizer has no chat template (use --raw)")
         return self._compiled_template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
