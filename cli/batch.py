@@ -560,13 +560,13 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     _claim(launch, data_parallel, output, locks)  # before reading what is done
     out_path, state = check_output(output, resume)
     parts = _earlier_parts(out_path, resume, locks, launch, data_parallel)
+    if state.existing and launch.rank == 0:  # before the input is read: standard input may wait
+        _say(f"note: {output}: continuing ({counted(len(state.done), 'result')} of an earlier run kept)")
     name, text, fmt = read_input(input, input_format)
     records, errors = parse_input(text, fmt)
     if launch.rank == 0:
         _report_lines(name, errors, records)
     check_resumed(state, records, name, output)
-    if state.existing and launch.rank == 0:
-        _say(f"note: {output}: continuing ({counted(len(state.done), 'result')} of an earlier run kept)")
     if strict and errors:
         raise PromptError(f"{counted(len(errors), 'bad line')} in {name}; nothing was run (--strict)")
     if not records and not errors:

@@ -311,8 +311,9 @@ def test_resume_refuses_an_output_written_for_another_input(tmp_path, capsys, ll
     assert batch([str(first), "--raw", "-n", "2", "-o", str(dst)], capsys, llama).code == 0
     before = dst.read_bytes()
     r = batch([str(second), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, llama)
-    assert r.code == 2 and r.err.count("\n") == 1, r.err
-    assert f"{dst}:2: the result for id \"2\" answers another prompt than {second}:2" in r.err
+    last = r.err.strip().splitlines()[-1]  # after the "continuing" note (said before stdin is read)
+    assert r.code == 2 and last.startswith("twice: error: ") and "Traceback" not in r.err, r.err
+    assert f"{dst}:2: the result for id \"2\" answers another prompt than {second}:2" in last
     assert dst.read_bytes() == before
     # The same input, one prompt added at its end: continued.
     first.write_text("Hello\nworld\nthird\n")

@@ -64,9 +64,13 @@ def test_the_bench_hands_it_back_so_each_run_counts_and_touches_its_own_memory(m
     assert hugepages.keep_freed_memory()
     libc = _libc()
     _layer(libc)
-    assert _layer(libc) < 500  # kept
+    kept = _layer(libc)
+    assert kept < 500  # kept
     with benchmark._PeakMemory(torch.device("cpu")):  # releases first
-        assert _layer(libc) > 4000  # touched afresh, as a new process would
+        # touched afresh, as a new process would: at most 4,608 faults of 4 KiB pages; fewer
+        # where the kernel backs some of it with huge pages (3,224 seen in a full run)
+        fresh = _layer(libc)
+        assert fresh > 1000 and fresh > 4 * kept, (fresh, kept)
 
 
 def test_turned_off_or_elsewhere_it_leaves_malloc_alone(monkeypatch):
