@@ -548,8 +548,12 @@ class ChatSession:
         """/save's and /load's FILE (quotes off, ~ expanded), or None after saying why not."""
         from twice.core.errors import TwiceError
 
+        text = _unquote(arg)
+        if text.endswith("/"):  # pathlib drops the slash: x.json/ would be x.json, where a shell says "Not a directory"
+            self.error(f"{text}: names a folder (it ends in /); give a file name (the current conversation is unchanged)")
+            return None
         try:
-            return user_path(_unquote(arg))
+            return user_path(text)
         except TwiceError as e:
             self.error(f"{e} (the current conversation is unchanged)")
             return None

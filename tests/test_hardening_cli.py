@@ -443,9 +443,10 @@ def test_a_tilde_of_an_unknown_user_is_one_line(capsys, args):
 
 
 def test_chat_save_and_load_to_an_unknown_users_home_keep_the_conversation(capsys, monkeypatch, llama):
-    script = f"hi\n/load {NO_USER}/x.json\n/save {NO_USER}/x.json\nmore\n".encode()
+    script = f"hi\n/load {NO_USER}/x.json\n/save {NO_USER}/x.json\n/save x.json/\nmore\n".encode()
     r = run_inprocess(["chat", "-m", llama, "-n", "2", "--temperature", "0"], capsys, stdin=script,
                       monkeypatch=monkeypatch)
     assert r.code == 0 and "Traceback" not in r.err, r.err
     assert r.err.count(f"cannot expand {NO_USER}") == 2 and "the turn was not kept" not in r.err, r.err
+    assert "x.json/: names a folder (it ends in /)" in r.err and not Path("x.json").exists()
     assert "reused 0" not in r.err.split(f"{NO_USER}/x.json: cannot expand")[-1]  # the cache was kept
