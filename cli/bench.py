@@ -65,6 +65,7 @@ def bench(
     from .bench_kv import check_kv_options
 
     check_kv_options(kv, kv_dtype, kv_context, kv_batch)
+    _check_before_measuring(repeats, json_out, plot, shape, model, weights, kv, workload, engine)
     o.apply_threads(threads)
     names = workload or ["decode", "prefill", "batch1", "batch4"]
     unknown = [n for n in names if n not in b.WORKLOADS]
@@ -119,3 +120,29 @@ def bench(
 
         latency_plot(results, plot, setup)
         err.print(f"wrote {plot}")
+
+
+def _check_before_measuring(repeats, json_out, plot, shape, model, weights, kv, workload, engine) -> None:
+    """What would fail, or be ignored, only after minutes of measuring: one line first."""
+    import importlib.util
+
+    from twice.core.errors import PromptError
+
+    if repeats < 1:
+        raise PromptError(f"--repeats must be at least 1, got {repeats}")
+    if shape is not None and (model is not None or weights is not None):
+        given = "--model" if model is not None else ("--dequantize" if weights == "dequantize" else "--quantize")
+        raise PromptError(f"{given} has no effect with --shape (random weights of that shape); give one or the other")
+    if kv and (workload or engine):
+        raise PromptError(f"{'-w/--workload' if workload else '-e/--engine'} has no effect with --kv "
+                          "(it sweeps twice's decode over context x --kv-dtype)")
+    for path, flag in ((json_out, "--json"), (plot, "--plot")):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise PromptError(f"{flag} {path}: is a folder; give a file name")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise PromptError(f"{flag} {path}: the folder {parent} does not exist")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise PromptError("--plot needs matplotlib (pip install matplotlib)")

@@ -44,7 +44,18 @@ def run_kv(model, setup: dict, kv_dtypes, contexts, batch: int, repeats: int, qu
     for c in wanted:
         if c not in usable:
             say(f"skip context {c:,}: longer than the model's {limit:,}")
-    points = bk.sweep(model, usable, tuple(kv_dtypes or bk.KV_DTYPES), batch, steps, repeats, progress=say)
+    types = list(kv_dtypes or bk.KV_DTYPES)
+    if not kv_dtypes:  # the default sweep leaves out what this model's head size cannot hold
+        from twice.core.cache import KVDtypeError, kv_format
+
+        head_dim = model.config.head_dim
+        for t in list(types):
+            try:
+                kv_format(t, None, head_dim)  # the model dtype matters only to float caches
+            except KVDtypeError as e:
+                types.remove(t)
+                say(f"skip --kv-dtype {t}: it needs {str(e).split(' needs ', 1)[-1]}")
+    points = bk.sweep(model, usable, tuple(types), batch, steps, repeats, progress=say)
     out = wide_console(stderr=False, min_width=120)
     out.print(kv_table(points, setup))
     if json_out is not None:

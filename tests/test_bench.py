@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from clirun import run_inprocess
 
 RUN_FIELDS = {"workload", "engine", "prompt_tokens", "new_tokens", "batch", "ttft_s", "prefill_tokens_per_s",
@@ -64,6 +66,27 @@ def test_bench_rejects_unknown_names(capsys):
     assert r.code == 2 and "unknown shape 'nope'" in r.err
     r = run_inprocess(["bench", "--shape", "tiny", "-w", "everything"], capsys)
     assert r.code == 2 and "unknown workload 'everything'" in r.err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),  # was an IndexError after loading
+    (["--json", "/nonexistent-folder/x.json"], "the folder /nonexistent-folder does not exist"),  # after the run
+    (["--json", "."], "is a folder"),
+    (["--model", "some-model"], "--model has no effect with --shape"),  # was ignored
+    (["--quantize", "q8_0"], "--quantize has no effect with --shape"),
+    (["--kv", "-w", "decode"], "-w/--workload has no effect with --kv"),
+])
+def test_bench_refuses_before_measuring(capsys, args, words):
+    from clirun import one_error_line
+
+    line = one_error_line(run_inprocess(["bench", "--shape", "tiny", "--quick", *args], capsys))
+    assert words in line, line
+
+
+def test_bench_kv_default_sweep_skips_what_the_head_size_cannot_hold(capsys):
+    r = run_inprocess(["bench", "--shape", "tiny", "--kv", "--kv-context", "16", "--quick", "--repeats", "1"], capsys)
+    assert r.code == 0, r.err  # tiny's head size is 16: its own defaults (q8_0, q4_0) were refused
+    assert "skip --kv-dtype q8_0: it needs a head size that is a multiple of 32" in r.err
 
 
 def test_block_weights_are_measured_against_the_int8_peak(model_dirs):
