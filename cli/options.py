@@ -6,7 +6,16 @@ from typing import Annotated, Optional
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder, .gguf file or Hub id (org/name). Default: SmolLM2-135M-Instruct.")]
+def _names_something(value: str | None) -> str | None:
+    # `--model "$M"` with M unset would quietly mean the default model (and --draft "" drafted
+    # with it): an empty name is refused before anything loads.
+    if value is not None and not value.strip():
+        raise typer.BadParameter(f"{value!r} names no model (leave the option out for its default)")
+    return value
+
+
+Model = Annotated[Optional[str], typer.Option("--model", "-m", callback=_names_something,
+                                              help="Model folder, .gguf file or Hub id (org/name). Default: SmolLM2-135M-Instruct.")]
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if available), cpu or cuda.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda; on the cpu bfloat16 where the CPU has AVX-512 BF16 or AMX, "
@@ -45,7 +54,15 @@ def _stop_texts(values: list[str] | None) -> list[str] | None:
 
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", callback=_stop_texts,
                                                    help="Stop when this text appears (repeatable); it is not printed.")]
-System = Annotated[Optional[str], typer.Option(help="System message (chat mode).")]
+def _system_text(value: str | None) -> str | None:
+    # An empty one would be no system message at all (the template's default one then), while
+    # --json reported "system": "".
+    if value == "":
+        raise typer.BadParameter("an empty text is no system message; leave the option out", param_hint="'--system'")
+    return value
+
+
+System = Annotated[Optional[str], typer.Option(callback=_system_text, help="System message (chat mode).")]
 Chat = Annotated[Optional[bool], typer.Option("--chat/--raw", help="Apply the chat template (default: on when the model has one).")]
 PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this many tokens per forward pass.")]
 Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memory report at the end (stderr).")]
@@ -63,7 +80,7 @@ Compile = Annotated[bool, typer.Option("--compile", help="Compile the decode ste
                                                          "native step, which needs no compiling.")]
 
 DraftModel = Annotated[Optional[str], typer.Option(
-    "--draft", help="Speculative decoding with a draft model (folder, .gguf file or Hub id) that shares the model's "
+    "--draft", callback=_names_something, help="Speculative decoding with a draft model (folder, .gguf file or Hub id) that shares the model's "
                     "vocabulary: it proposes tokens, the model verifies several in one pass (same output).")]
 DraftTokens = Annotated[Optional[int], typer.Option(
     "--draft-tokens", help="Tokens proposed per verify pass, 1..32 (with --draft or --lookup). Default: adaptive, "

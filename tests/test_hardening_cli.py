@@ -203,6 +203,12 @@ def test_completion_is_typers(capsys):
     (["generate", "hi", "--stop", "x", "--stop", ""], "'--stop': an empty text matches nothing", "twice generate -h"),
     (["chat", "--stop", ""], "'--stop': an empty text matches nothing", "twice chat -h"),
     (["batch", "in.txt", "--stop", ""], "'--stop': an empty text matches nothing", "twice batch -h"),
+    # the same trap: --model "" meant the default model, --draft "" drafted with it, --system ""
+    # was no system message while --json said "system": ""
+    (["generate", "hi", "--model", ""], "'' names no model", "twice generate -h"),
+    (["generate", "hi", "--draft", " "], "' ' names no model", "twice generate -h"),
+    (["generate", "hi", "--system", ""], "'--system': an empty text is no system message", "twice generate -h"),
+    (["serve", "--model", ""], "'' names no model", "twice serve -h"),
 ])
 def test_a_command_line_click_cannot_parse_is_one_line(capsys, args, message, hint):
     """Unknown options and commands, values of the wrong type, missing arguments: the same one
