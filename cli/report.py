@@ -35,6 +35,8 @@ def stats_lines(result, loaded=None) -> list[str]:
     if loaded is not None:
         why = getattr(loaded, "dtype_reason", "")
         lines.append(f"load      {seconds(loaded.load_seconds)} · {r.device} {r.dtype}" + (f" ({why})" if why else ""))
+    if getattr(r, "compile_seconds", 0.0):  # before the request, so in neither TTFT nor decode
+        lines.append(f"compile   {seconds(r.compile_seconds)} (the decode step, before this request)")
     lines.append(f"prefill   {new:,} tokens{reused} in {seconds(r.prefill_seconds)}, "
                  f"{r.prefill_tokens_per_second:,.1f} tok/s · TTFT {seconds(r.ttft_seconds)}")
     decode = f"decode    {r.generated_tokens:,} tokens in {seconds(r.decode_seconds)}"
@@ -59,8 +61,10 @@ def print_stats(result, loaded=None, console: Console | None = None) -> None:
 
 def latency_percentiles(steps: list[float]) -> dict:
     """p50/p90/p99/max of the decode steps (nearest rank), in seconds."""
+    if not steps:  # no decode step: no latency (null in --json), not a 0.0 that reads as measured
+        return {"p50": None, "p90": None, "p99": None, "max": None}
     return {"p50": percentile(steps, 50), "p90": percentile(steps, 90), "p99": percentile(steps, 99),
-            "max": max(steps) if steps else 0.0}
+            "max": max(steps)}
 
 
 def device_bandwidth(device: str) -> float | None:
@@ -116,8 +120,10 @@ def timing_table(result, loaded) -> Table:
     steps = r.step_seconds
     t.add_row("decode", "tokens", f"{r.generated_tokens:,}", f"generated, the first included; finish: {r.finish_reason}")
     t.add_row("", "time", seconds(r.decode_seconds), "first token → last token")
-    t.add_row("", "tokens/s", f"{r.decode_tokens_per_second:,.1f}",
-              "after the first token: (generated − 1) ÷ decode time")
+    rate = r.decode_tokens_per_second
+    t.add_row("", "tokens/s", "n/a" if rate is None else f"{rate:,.1f}",
+              "after the first token: (generated − 1) ÷ decode time"
+              + ("; needs at least 2 generated tokens (a decode step)" if rate is None else ""))
     t.add_row("", "step", getattr(r, "decode_path", "eager"),
               "native: one C call per step (llama family, CPU); compiled: torch.compile (batch 1 on the CPU; any batch, as a CUDA graph, on a GPU); eager: PyTorch layers")
     if steps:
@@ -201,8 +207,10 @@ def speculation_rows(t: Table, s: dict | None) -> None:
               f"steps); {s['tokens_per_target_pass']:.2f} tokens per pass")
     t.add_row("", "draft time", seconds(s["draft_s"]), "proposing (the draft model's steps, or the lookup)")
     t.add_row("", "verify time", seconds(s["verify_s"]), "the model's passes over the proposals, acceptance included")
-    t.add_row("", "tokens/s", f"{s['decode_tokens_per_s']:,.1f}",
-              f"decode with the draft's share; {s['decode_tokens_per_s_without_draft']:,.1f} without it "
+    rate, without = (("n/a" if v is None else f"{v:,.1f}") for v in
+                     (s["decode_tokens_per_s"], s["decode_tokens_per_s_without_draft"]))
+    t.add_row("", "tokens/s", rate,
+              f"decode with the draft's share; {without} without it "
               "(decode time − draft time)")
     if (p := s.get("prediction")) is not None:
         t.add_row("", "predicted speed-up", f"{p['speedup']:.2f}x",

@@ -171,9 +171,11 @@ class GenerationResult:
         return new / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
     @property
-    def decode_tokens_per_second(self) -> float:
+    def decode_tokens_per_second(self) -> float | None:
+        """None without a decode step (one token, or none): no rate, rather than a 0.0 that
+        reads as a measured stall."""
         n = self.generated_tokens - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else None
 
     def bytes_read_per_token(self) -> int:
         """Weights (those a step reads: a mixture of experts' chosen experts) plus the mean KV

@@ -210,8 +210,8 @@ class SpeculationStats:
             "catch_up_tokens": self.catch_up_tokens,
             "plan_s": self.plan_seconds,
             "probe_tokens": self.probe_tokens,
-            "decode_tokens_per_s": n / decode_seconds if n > 0 and decode_seconds > 0 else 0.0,
-            "decode_tokens_per_s_without_draft": n / without if n > 0 and without > 0 else 0.0,
+            "decode_tokens_per_s": n / decode_seconds if n > 0 and decode_seconds > 0 else None,
+            "decode_tokens_per_s_without_draft": n / without if n > 0 and without > 0 else None,
         }
         d["prediction"] = pred = predict_run(d)
         d["predicted_speedup"] = pred["speedup"] if pred else None

@@ -302,6 +302,22 @@ def test_timing_report_states_definitions_and_this_models_numbers(capsys, monkey
     assert "unknown" in r.err  # no peak bandwidth known for the CPU
 
 
+def test_one_token_has_no_decode_rate_or_step_latency(capsys, monkeypatch, llama):
+    # -n 1 runs no decode step: its rate and step latencies are unknown (null, "n/a"), not a
+    # 0.0 a script would read as measured.
+    monkeypatch.setenv("COLUMNS", "220")
+    r = gen(capsys, RAW_PROMPT, "-m", llama, "--raw", "-n", "1", "--timing", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    t = d["timings"]
+    assert d["generated_tokens"] == 1 and t["step_s"] == [] and t["decode_s"] == 0.0
+    assert t["decode_tokens_per_s"] is None
+    assert t["step_p50_s"] is t["step_p90_s"] is t["step_p99_s"] is t["step_max_s"] is None
+    assert d["bandwidth"]["achieved_bytes_per_s"] is None
+    row = next(line for line in r.err.splitlines() if "(generated − 1) ÷ decode time" in line)
+    assert "n/a" in row and "needs at least 2 generated tokens" in row
+
+
 def test_timing_report_is_wide_off_a_terminal_and_shows_the_fraction_of_peak(capsys, monkeypatch, llama):
     import twice.core.device as core_device
     from rich.cells import cell_len

@@ -118,6 +118,24 @@ def test_stats_are_a_few_lines_on_stderr(capsys, llama):
         assert "auto: TWICE_CPU_AUTO_DTYPE=float32" in text  # the dtype and why (conftest pins it)
 
 
+def test_stats_name_the_compile_time_and_no_rate_without_a_decode_step():
+    from types import SimpleNamespace
+
+    from twice.cli.report import stats_lines
+
+    cache = SimpleNamespace(bytes_in_use=1024, bytes_allocated=2048, bytes_per_token=64, tokens=16, context_length=256)
+    r = SimpleNamespace(prompt_tokens=15, reused_tokens=0, prefill_seconds=0.5, prefill_tokens_per_second=30.0,
+                        ttft_seconds=0.6, generated_tokens=1, decode_seconds=0.0, decode_tokens_per_second=None,
+                        decode_path="compiled", finish_reason="length", speculation=None, cache=cache,
+                        compile_seconds=12.5)
+    text = "\n".join(stats_lines(r))
+    assert "compile   12.5" in text and "before this request" in text
+    decode = next(line for line in text.splitlines() if line.startswith("decode"))
+    assert "tok/s" not in decode
+    r.compile_seconds = 0.0
+    assert "compile   " not in "\n".join(stats_lines(r))
+
+
 def test_chat_stats_per_turn_and_batch_stats(capsys, monkeypatch, llama, tmp_path):
     script = "Hello there\nHow are you?\n"
     r = run_inprocess(["chat", "-m", llama, "-n", "4", "--temperature", "0", "--stats"], capsys, script.encode(),
