@@ -97,8 +97,19 @@ def bench(
         return run_kv(net, setup, kv_dtype, kv_context, kv_batch, repeats, quick, json_out, plot, say)
     say(f"measuring memory bandwidth on {setup['device']}")
     before = b.measure_bandwidth(setup["device"])
-    results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=say,
+    skipped: list[str] = []
+
+    def note(message: str) -> None:
+        if message.startswith("skip "):
+            skipped.append(message.removeprefix("skip "))
+        say(message)
+
+    results = b.run_suite(net, tokenizer, workloads, engine, repeats, progress=note,
                           kv_dtype=kv_dtype[0] if kv_dtype else None)
+    if not results:  # an empty table and exit 0 would read as a finished benchmark
+        from twice.core.errors import PromptError
+
+        raise PromptError("nothing was measured: " + ("; ".join(dict.fromkeys(skipped)) or "no engine ran"))
     say("measuring memory bandwidth again")
     bandwidth = b.best_bandwidth(before, b.measure_bandwidth(setup["device"]))
     say("measuring the multiply-add peak")

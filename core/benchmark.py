@@ -604,12 +604,14 @@ def run_suite(model: CausalLM, tokenizer, workloads: list[Workload], engines: li
             if w.prompt_tokens + w.new_tokens > model.config.max_position_embeddings:
                 say(f"skip {w.name}/{name}: longer than the context")
                 continue
+            if name in BATCH1_ONLY and w.batch > 1 and _on_cpu(model):
+                # the compiled step serves batch 1 on the CPU (any batch on a GPU)
+                say(f"skip {w.name}/{name}: the compiled step serves batch 1 on the CPU")
+                continue
             say(f"{w.name}: {name} (P={w.prompt_tokens}, G={w.new_tokens}, batch {w.batch})")
             if name == "naive":
                 run = run_naive(model, w.prompt_tokens, w.new_tokens, repeats=1)
             elif name.startswith("twice"):
-                if name in BATCH1_ONLY and w.batch > 1 and _on_cpu(model):
-                    continue  # the compiled step serves batch 1 on the CPU (any batch on a GPU)
                 engine = twice_engine(name)
                 if engine_name(engine) != name:  # that decode step does not apply to this model here
                     say(f"skip {name}: not available for this model or machine")

@@ -83,6 +83,15 @@ def test_bench_refuses_before_measuring(capsys, args, words):
     assert words in line, line
 
 
+def test_bench_that_measures_nothing_says_so(capsys):
+    # Every engine asked for skipped (was an empty table, exit 0): one line with the reasons.
+    r = run_inprocess(["bench", "--shape", "tiny", "--quick", "--repeats", "1", "-w", "batch4", "-e",
+                       "twice-compiled"], capsys)
+    assert r.code == 2 and r.out == "" and "Traceback" not in r.err, r
+    line = r.err.strip().splitlines()[-1]  # after the progress notes
+    assert line.startswith("twice: error: ") and "nothing was measured: batch4/twice-compiled: the compiled step serves batch 1 on the CPU" in line, line
+
+
 def test_bench_kv_default_sweep_skips_what_the_head_size_cannot_hold(capsys):
     r = run_inprocess(["bench", "--shape", "tiny", "--kv", "--kv-context", "16", "--quick", "--repeats", "1"], capsys)
     assert r.code == 0, r.err  # tiny's head size is 16: its own defaults (q8_0, q4_0) were refused
