@@ -100,6 +100,18 @@ def test_a_new_output_is_locked_before_anything_is_created(tmp_path, capsys, lla
     assert batch(capsys, llama, src, "-o", out).code == 0 and ids_of(out) == ["1"]
 
 
+def test_a_file_of_data_at_the_lock_name_is_refused_and_kept(tmp_path, capsys, llama):
+    # The lock file is removed after each run: a user's own file under its name would go too.
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n")
+    out = tmp_path / "new.jsonl"
+    mine = tmp_path / ".new.jsonl.lock"
+    mine.write_text("my notes\n")
+    line = one_error_line(batch(capsys, llama, src, "-o", out))
+    assert "is not a twice lock file (it holds data)" in line and str(mine) in line, line
+    assert mine.read_text() == "my notes\n" and not out.exists()
+
+
 def test_resume_after_a_killed_data_parallel_run_merges_its_parts(tmp_path, capsys, llama):
     """What a killed 2-rank run left (its parts, one with a torn last line, and a part of an
     earlier 3-rank run): one process with --resume skips every id they hold, merges them into

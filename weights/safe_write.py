@@ -232,11 +232,19 @@ def exclusive_lock(path: Path, *, wait: bool = False, what: str | None = None,
 def _open_lock(lock: Path, error: type[TwiceError]) -> int:
     refuse_link(lock, error)
     try:
-        return os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, PRIVATE)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, PRIVATE)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise error(f"{lock}: is a symbolic link; twice does not write through links") from None
         raise error(f"{lock}: cannot create the lock file ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size:
+        # Our lock files are empty regular files, removed after use: anything else under the
+        # name is someone's data, which removing the lock afterwards would destroy.
+        os.close(fd)
+        raise error(f"{lock}: is not a twice lock file (it {'holds data' if stat.S_ISREG(st.st_mode) else 'is not a regular file'}); "
+                    "move it away, twice needs the name for its lock")
+    return fd
 
 
 def _same_file(fd: int, path: Path) -> bool:
