@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.errors import PromptError
-from twice.core.fields import loads, unpaired_surrogate
+from twice.core.fields import DuplicateKeyError, loads, unique_keys, unpaired_surrogate
 
 from .prompt_input import strip_bom
 
@@ -98,9 +98,13 @@ def _parse_txt(number: int, line: str) -> Record:
 
 def _parse_jsonl(number: int, line: str) -> Record:
     try:
-        obj = loads(line)  # bounded: nesting depth, integer sizes, no NaN (core/fields.py)
+        # bounded: nesting depth, integer sizes, no NaN (core/fields.py); a key given twice
+        # ({"prompt": "a", "prompt": "b"}) is a bad line, not the last one winning quietly
+        obj = loads(line, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise _BadLine(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except DuplicateKeyError as e:
+        raise _BadLine(str(e)) from None
     except ValueError as e:  # huge integers, absurd nesting
         raise _BadLine(f"invalid JSON ({e})") from None
     if not isinstance(obj, dict):

@@ -33,7 +33,7 @@ class _Unreadable(TwiceError):
 def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
     """Read and check a file written by /save; ValueError names the first problem (one
     line, without the file's name, which the caller says)."""
-    from twice.core.fields import JSONLimitError, describe_json_error, loads, show
+    from twice.core.fields import JSONLimitError, describe_json_error, loads, show, unique_keys
     from twice.weights.files import read_limited
 
     if path.is_dir():
@@ -44,7 +44,7 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict], str | None]:
         text, prefix = str(e), f"{path}: "
         raise ValueError(text[len(prefix):] if text.startswith(prefix) else text) from None
     try:
-        data = loads(raw)
+        data = loads(raw, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except JSONLimitError as e:

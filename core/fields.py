@@ -51,6 +51,25 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
+class DuplicateKeyError(JSONLimitError):
+    """One JSON object names a key twice (json.loads would keep the last quietly)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"the key {json.dumps(key, ensure_ascii=True)} appears twice in one object")
+        self.key = key
+
+
+def unique_keys(pairs: list) -> dict:
+    """An object_pairs_hook: a key given twice is an error, not the last one winning (a
+    batch line {"prompt": "a", "prompt": "b"}, a safetensors header naming a tensor twice)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
 def _parse_constant(name: str) -> float:
     # Python's json accepts NaN, Infinity and -Infinity, which JSON does not have.
     raise JSONLimitError(f"{name} is not a JSON value")
@@ -59,7 +78,7 @@ def _parse_constant(name: str) -> float:
 def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None, **kwargs) -> Any:
     """json.loads with bounds: at most `max_bytes` (checked before parsing), at most
     `max_depth` levels of nesting, integers of at most MAX_INT_DIGITS digits, no NaN or
-    Infinity literals. Raises ValueError (JSONLimitError for a bound, json.JSONDecodeError
+    Infinity literals (`object_pairs_hook=unique_keys` refuses a key given twice). Raises ValueError (JSONLimitError for a bound, json.JSONDecodeError
     for bad syntax, UnicodeDecodeError for bytes that are not UTF-8) with a one-line
     message; callers add the file's name."""
     if max_bytes is not None and len(text) > max_bytes:

@@ -215,6 +215,13 @@ def test_an_empty_stop_text_is_a_bad_line_as_the_flag_is_refused():
     assert [(e.line, "empty text, which matches nothing" in e.message) for e in errors] == [(1, True), (2, True)]
 
 
+def test_a_key_given_twice_is_a_bad_line():
+    # json.loads keeps the last quietly: which prompt ran would depend on the writer's order.
+    records, errors = parse_input('{"id": 1, "prompt": "a", "prompt": "b"}\n{"id": 2, "prompt": "c"}\n', "jsonl")
+    assert [r.id for r in records] == [2]
+    assert [(e.line, e.message) for e in errors] == [(1, 'the key "prompt" appears twice in one object')]
+
+
 def test_strict_stops_before_any_work(tmp_path, capsys, llama):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(BAD_INPUT)

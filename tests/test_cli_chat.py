@@ -266,6 +266,8 @@ def test_scripted_stdin_two_turns_and_context_overflow(model_dirs, tmp_path, cap
     ('{"version": 1, "messages": [{"role": "tool", "content": "x"}]}', "messages[0].role"),
     ('{"version": 1, "messages": [{"role": "user", "content": 3}]}', "messages[0].content"),
     ('[1, 2]', "not a twice chat file"),
+    ('{"version": 1, "messages": [], "messages": [{"role": "user", "content": "x"}]}',
+     'the key "messages" appears twice'),
 ])
 def test_load_rejects_broken_files_and_keeps_the_conversation(model_dirs, tmp_path, capsys, monkeypatch,
                                                                content, problem):

@@ -22,7 +22,7 @@ import torch
 
 from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TwiceError, WeightsError
-from twice.core.fields import loads
+from twice.core.fields import DuplicateKeyError, loads, unique_keys
 from twice.core.model import CausalLM, Source, Target
 
 from .files import MAX_JSON_BYTES, open_regular, read_limited
@@ -144,11 +144,11 @@ def _read_header(path: Path) -> tuple[dict, int]:
     if len(raw) != n:
         raise WeightsError(f"{path}: truncated safetensors file (the header claims {n} bytes)")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
         if not isinstance(header, dict):
             raise ValueError
-    except _DuplicateName as e:
-        raise WeightsError(f"{path}: corrupt safetensors header (the name {e.args[0]!r} appears twice)") from None
+    except DuplicateKeyError as e:
+        raise WeightsError(f"{path}: corrupt safetensors header (the name {e.key!r} appears twice)") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise WeightsError(f"{path}: corrupt safetensors header (not a JSON object)") from None
     data_size = size - 8 - n
@@ -197,19 +197,6 @@ def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_size: int)
     if expected != data_size:
         raise WeightsError(f"{path}: corrupt safetensors file: its last {data_size - expected} bytes belong to no "
                            f"tensor (the tensors end at byte {expected} of the {data_size} bytes of data)")
-
-
-class _DuplicateName(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateName(key)
-        out[key] = value
-    return out
 
 
 def _is_int(x) -> bool:
