@@ -28,7 +28,7 @@ from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
 from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
-                           scan_output, check_resumed)
+                           scan_output, check_model, check_resumed)
 from .console import COLOR, err_console
 from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
@@ -371,6 +371,7 @@ class Plan:
     kv_dtype: str = "auto"  # --kv-dtype: the KV cache's element type (core/cache.py)
     stats: bool = False  # -v/--stats: a few lines at the end
     quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
+    model: str | None = None  # the loaded model's name, on every result line (and checked by --resume)
 
 
 # -- the command ------------------------------------------------------------------------
@@ -579,12 +580,14 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
              f"({counted(lines, 'line')})")
         out_path, state = check_output(output, resume)
     mine, done, merge = records, state.done, None
+    resumed = [(state, output)]  # outputs whose results must come from the model this run loads
     if data_parallel:  # this rank's share goes to its own part file
         merge = (out_path, records)
         mine = my_share(records, launch.rank, launch.world)
         final_done = state.done | _done_in(parts)  # parts of a run of another size: merged at the end
         out_path, state = check_output(str(part_path(out_path, launch.rank, launch.world)), resume)
         done = final_done | state.done
+        resumed.append((state, str(out_path)))
     todo = [r for r in mine if r.key not in done]
     if not todo:
         if not data_parallel:
@@ -599,6 +602,9 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     # before the model) and is checked against the model's vocabulary.
     drafted = o.load_draft(draft, None, device if launch.world == 1 else launch.device, dtype)
     loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard, weights)
+    for earlier, shown in resumed:
+        check_model(earlier, loaded.name, shown)
+    plan.model = loaded.name
     if draft is not None or lookup:
         o.check_draft(loaded, drafted)
         drafted = None
@@ -636,7 +642,7 @@ def _run(loaded, plan: Plan, base) -> None:
         say(f"note: {plan.out_path}: dropped an incomplete last line ({counted(plan.state.dropped_bytes, 'byte')}) "
             "left by an interrupted run")
     stats = Stats()
-    writer = NullWriter() if plan.quiet else Writer(plan.out_path, plan.state)
+    writer = NullWriter() if plan.quiet else Writer(plan.out_path, plan.state, plan.model)
     used = size
     try:
         show_bar = not plan.quiet and _isatty(sys.stderr) and (plan.out_path is not None or not _isatty(sys.stdout))

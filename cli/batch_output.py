@@ -39,6 +39,8 @@ class OutputState:
     # id -> (line number, digest of the prompt or messages the result line echoes): a
     # result line answers one prompt, and --resume must not skip a prompt it did not answer.
     echoes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    # model name -> the first line it wrote (result lines name their model; older ones do not)
+    models: dict[str, int] = field(default_factory=dict)
 
 
 def scan_output(data: bytes, name: str) -> OutputState:
@@ -59,6 +61,8 @@ def scan_output(data: bytes, name: str) -> OutputState:
         state.done.add(str(obj["id"]))
         if (echo := echo_digest(obj)) is not None:
             state.echoes[str(obj["id"])] = (number, echo)
+        if isinstance(model := obj.get("model"), str):
+            state.models.setdefault(model, number)
     torn = data[keep:]
     if torn:
         # Our writer ends each line in the same write(): a complete JSON value without
@@ -96,6 +100,33 @@ def check_resumed(state: OutputState, records, name: str, output: str) -> None:
             raise PromptError(f"{output}:{seen[0]}: the result for id {show_value(record.id)} answers another "
                               f"{'prompt' if record.messages is None else 'conversation'} than {name}:{record.line}; "
                               "--resume continues the run of the same input (choose another --output file)")
+
+
+def check_model(state: OutputState, model: str, output: str) -> None:
+    """Refuse to continue an output whose results another model wrote: the file would mix
+    two models' answers with nothing but a field per line to tell them apart. A name that
+    is a path is compared as the folder or file it names (./m and m are one model)."""
+    mine = _model_key(model)
+    for other, line in state.models.items():
+        theirs = _model_key(other)
+        if theirs is not None and mine is not None and theirs != mine:
+            raise PromptError(f"{output}:{line}: its results are from the model {show_value(other)}, this run "
+                              f"loads {show_value(model)}; --resume continues the run of the same model "
+                              "(choose another --output file)")
+
+
+def _model_key(name: str) -> str | None:
+    """What a model name stands for: a path's real location, else the name (a Hub id, a
+    packaged name); None for a path that is not there from here (it cannot be compared)."""
+    from twice.core.paths import user_path
+
+    try:
+        path = user_path(name)
+    except TwiceError:
+        return None
+    if path.exists():
+        return str(path.resolve())
+    return None if name.startswith(("/", "./", "../", "~")) else name
 
 
 def _our_line(raw: bytes) -> dict | None:
@@ -209,8 +240,8 @@ class Writer:
     --resume read. A line that cannot be written whole (disk full, file size limit) is cut
     back off, so the file never ends in a torn line of this run."""
 
-    def __init__(self, path: Path | None, state: OutputState):
-        self.path, self.fd = path, None
+    def __init__(self, path: Path | None, state: OutputState, model: str | None = None):
+        self.path, self.fd, self.model = path, None, model  # model: named on every result line
         if path is None:
             return
         flags = os.O_WRONLY | os.O_APPEND | _NOFOLLOW
@@ -240,6 +271,8 @@ class Writer:
             raise
 
     def write(self, obj: dict) -> None:
+        if self.model is not None and "completion" in obj:
+            obj = {**obj, "model": self.model}
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
         if self.fd is None:
             try:

@@ -4,6 +4,7 @@ alone, bad lines, --strict, crash safety and --resume, standard input."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ PROMPTS = [
     "def f(x):",
     "Emoji: 😀 🚀 🎉 and symbols ∑ ∫ √ → ← and more text to make this one the longest prompt of all",
 ]
-FIELDS = {"id", "prompt", "completion", "finish_reason", "prompt_tokens", "generated_tokens", "timings"}
+FIELDS = {"id", "prompt", "completion", "finish_reason", "prompt_tokens", "generated_tokens", "timings", "model"}
 
 
 @pytest.fixture(scope="module")
@@ -325,6 +326,28 @@ def test_resume_refuses_an_output_written_for_another_input(tmp_path, capsys, ll
     # The same input, one prompt added at its end: continued.
     first.write_text("Hello\nworld\nthird\n")
     r = batch([str(first), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
+
+
+def test_resume_refuses_an_output_another_model_wrote(tmp_path, capsys, llama, model_dirs):
+    # Result lines name their model; continuing with another would mix two models' answers.
+    src, dst = tmp_path / "a.txt", tmp_path / "out.jsonl"
+    src.write_text("Hello\nworld\n")
+    assert batch([str(src), "--raw", "-n", "2", "-o", str(dst)], capsys, llama).code == 0
+    assert {o["model"] for o in read_lines(dst)} == {llama}
+    src.write_text("Hello\nworld\nthird\n")
+    before = dst.read_bytes()
+    other = str(model_dirs("qwen3"))
+    r = run_inprocess(["batch", str(src), "--raw", "-n", "2", "-o", str(dst), "--resume", "-m", other,
+                       "--temperature", "0"], capsys)
+    last = r.err.strip().splitlines()[-1]
+    assert r.code == 2 and last.startswith("twice: error: ") and "Traceback" not in r.err, r.err
+    assert f"{dst}:1: its results are from the model \"{llama}\", this run loads \"{other}\"" in last, last
+    assert dst.read_bytes() == before
+    # The same model spelled as another path to the same folder: continued.
+    relative = os.path.relpath(llama)
+    r = batch([str(src), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, relative)
     assert r.code == 0, r.err
     assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
 
