@@ -90,7 +90,7 @@ def size_field(f: Fields, key: str) -> int:
     """A positive integer of at most MAX_SIZE (the bound is named only when exceeded)."""
     value = f.int(key, lo=1)
     if value > MAX_SIZE:
-        raise ConfigError(f"{f.source}: {key} must be a positive integer of at most {MAX_SIZE:,}, got {show(value)}")
+        raise ConfigError(f"{f.source}: {f.name(key)} must be a positive integer of at most {MAX_SIZE:,}, got {show(value)}")
     return value
 
 
@@ -215,30 +215,35 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         )
     fam = FAMILIES[model_type]
     d = dict(fam.defaults.get(model_type, {}))
+    spelled = {}
     for old, new in fam.aliases.items():
         if old in raw and raw[old] is not None:
             d[new] = raw[old]
+            if raw.get(new) is None:
+                spelled[new] = old
     # null means "none" for the fields a family says so of (a window, a soft-cap), else "the default"
     d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window", *fam.nullable)})
     fam.complete(d)
-    f = Fields(d, source)
+    f = Fields(d, source, spelled=spelled)
 
     vocab_size = _positive_int(f, "vocab_size")
     hidden = size_field(f, "hidden_size")
     layers = _positive_int(f, "num_hidden_layers")
     if layers > MAX_LAYERS:  # checked before anything is built per layer
-        raise ConfigError(f"{source}: num_hidden_layers {layers} is not a plausible layer count (at most {MAX_LAYERS:,})")
+        raise ConfigError(f"{source}: {f.name('num_hidden_layers')} {layers} is not a plausible layer count "
+                          f"(at most {MAX_LAYERS:,})")
     heads = size_field(f, "num_attention_heads")
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = heads
     kv_heads = size_field(f, "num_key_value_heads")
     if heads % kv_heads:
         raise ConfigError(
-            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            f"{source}: {f.name('num_attention_heads')} ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
     if d.get("head_dim") is None:
         if hidden % heads:
-            raise ConfigError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
+            raise ConfigError(f"{source}: {f.name('hidden_size')} ({hidden}) is not divisible by "
+                              f"{f.name('num_attention_heads')} ({heads})")
         d["head_dim"] = hidden // heads
     head_dim = size_field(f, "head_dim")
     if head_dim % 2 and fam.rotary:

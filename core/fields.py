@@ -124,15 +124,22 @@ class Fields:
     """Typed getters over one untrusted dict; errors are `error` (a TwiceError class)
     saying `source: key must be ..., got ...`."""
 
-    def __init__(self, data: dict, source: str, error: type[TwiceError] = ConfigError):
+    def __init__(self, data: dict, source: str, error: type[TwiceError] = ConfigError,
+                 spelled: dict[str, str] | None = None):
         if not isinstance(data, dict):
             raise error(f"{source}: expected a JSON object, got {type(data).__name__}")
         self.data = data
         self.source = source
         self.error = error
+        # key -> how the file wrote it, where that differs (GPT-2's n_embd for hidden_size):
+        # a message names what the user can find in the file
+        self.spelled = spelled or {}
+
+    def name(self, key: str) -> str:
+        return self.spelled.get(key, key)
 
     def _fail(self, key: str, wanted: str, value: Any) -> TwiceError:
-        return self.error(f"{self.source}: {key} must be {wanted}, got {show(value)}")
+        return self.error(f"{self.source}: {self.name(key)} must be {wanted}, got {show(value)}")
 
     def _get(self, key: str, default: Any) -> Any:
         value = self.data.get(key, _MISSING)

@@ -119,6 +119,23 @@ def test_wrong_types_and_ranges_in_config_json(llama, tmp_path, capsys, changes,
     assert (folder / "config.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("layer_norm_epsilon", -1, "config.json: layer_norm_epsilon must be"),
+    ("n_embd", "wide", "config.json: n_embd must be"),
+    ("n_layer", 10**6, "config.json: n_layer 1000000 is not a plausible layer count"),
+    ("n_head", 5, "config.json: n_embd (64) is not divisible by n_head (5)"),
+])
+def test_a_gpt2_config_is_named_by_its_own_keys(key, value, words):
+    # GPT-2 spells the common sizes its own way; a message names the key the file holds.
+    from twice.core.config import config_from_dict
+    from twice.core.errors import ConfigError
+
+    raw = {"model_type": "gpt2", "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4, key: value}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert words in str(e.value), str(e.value)
+
+
 def test_400_digit_numbers_anywhere_in_a_json_file_are_one_line(llama, tmp_path, capsys):
     for name, key in (("config.json", "rope_theta"), ("config.json", "rms_norm_eps"),
                       ("generation_config.json", "temperature"), ("tokenizer_config.json", "model_max_length")):
