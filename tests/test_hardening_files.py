@@ -577,7 +577,7 @@ def test_a_gguf_with_a_nan_scale_or_value_is_refused_as_stored_and_by_convert(tm
      "nope (in {src}: tokenizer.chat_template)"),
     ({"tokenizer.chat_template": "{% if %}"}, ["generate", "hi", "-n", "1", "--chat", "--model"],
      "{src}: tokenizer.chat_template: chat template syntax error"),
-    ({"llama.context_length": 3_000_000_000}, ["info"], "{src} (metadata): max_position_embeddings"),
+    ({"llama.context_length": 3_000_000_000}, ["info"], "{src}: metadata llama.context_length must be at most 2,147,483,647"),
 ])
 def test_a_gguf_s_bad_metadata_is_named_by_the_gguf_not_the_cache(tmp_path, capsys, metadata, args, words):
     """The folder twice writes into its cache from a GGUF's metadata is not the user's: errors

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from twice.core.config import MAX_SIZE
 from twice.core.errors import WeightsError
 
 
@@ -20,6 +21,8 @@ def positive_int(metadata: dict, key: str, src: Path, default: int | None = None
     value = metadata.get(key, default) if default is not None else require(metadata, key, src)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise WeightsError(f"{src}: metadata {key} must be a positive integer, got {value!r}")
+    if value > MAX_SIZE:  # here, where the message can name the GGUF's key, not the config's
+        raise WeightsError(f"{src}: metadata {key} must be at most {MAX_SIZE:,}, got {value:,}")
     return value
 
 
