@@ -439,8 +439,13 @@ class ChatSession:
                 lo = mid + 1
         shifted = without(lo)
         dropped, moved = self._shift_cache(shifted)
-        self.say(f"context shift: dropped the {lo} oldest turn{'' if lo == 1 else 's'} ({dropped} tokens of the KV "
-                 f"cache; {moved} later tokens' keys re-rotated, not prefilled again)", "dim")
+        turns_said = f"context shift: dropped the {lo} oldest turn{'' if lo == 1 else 's'}"
+        if dropped:
+            self.say(f"{turns_said} ({dropped} tokens of the KV cache; {moved} later tokens' keys re-rotated, "
+                     "not prefilled again)", "dim")
+        else:  # nothing cached lined up (or could be rotated): the turn prefills what differs
+            self.say(f"{turns_said} (the KV cache could not be shifted: what follows the common start is "
+                     "prefilled again)", "dim")
         return shifted
 
     def _protected(self, turns: list[list[dict]]) -> int:
@@ -511,6 +516,9 @@ class ChatSession:
     def cmd_system(self, arg: str) -> None:
         if not arg:
             self.say(f"system message: {self.system!r}" if self.system else "no system message", "dim")
+            return
+        if arg == "-" and self.system is None:
+            self.say("no system message to remove", "dim")
             return
         self.system = None if arg == "-" else arg
         self.last_reused = None

@@ -309,6 +309,13 @@ def test_a_system_message_too_long_for_the_context_is_named_not_the_users(model_
     assert "the system message alone is" in line, r.err
 
 
+def test_system_dash_says_when_there_is_nothing_to_remove(model_dirs, capsys, monkeypatch):
+    r = chat(capsys, monkeypatch, model_dirs("llama"), ["/system -", "/system Be brief.", "/system -"])
+    assert r.code == 0, r.err
+    said = [line for line in r.err.splitlines() if "system message" in line]
+    assert said[-3:] == ["no system message to remove", "system message set", "system message removed"], said
+
+
 def test_crlf_lines_on_standard_input_are_lines_without_the_cr(model_dirs, tmp_path, capsys, monkeypatch):
     out = tmp_path / "c.json"
     script = f"hi\r\n/save {out}\r\n".encode()
