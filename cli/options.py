@@ -68,7 +68,8 @@ PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill at most this 
 Timing = Annotated[bool, typer.Option("--timing", help="Print a timing and memory report at the end (stderr).")]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colors (also NO_COLOR=1).")]
 Truncate = Annotated[Optional[str], typer.Option(
-    help="left: drop the start of a prompt that does not fit the context (default: refuse it).")]
+    help="left: drop the start of a prompt that does not fit the context (default: refuse it); in chat mode, "
+         "the start of the rendered chat (the system message goes first).")]
 TensorParallel = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel degree: shard the model over this many processes (run under torchrun "
                  "--nproc-per-node N). Default 1.")]
