@@ -51,6 +51,12 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
     return model
 
 
+def meta_model(config: ModelConfig) -> CausalLM:
+    """The model's modules on the meta device: its shapes and features, no storage."""
+    with torch.device("meta"):
+        return FAMILIES[config.model_type].model(config)
+
+
 def decode_steps(config: ModelConfig) -> dict:
     """Which decode steps implement the features a model of `config` declares (family.py),
     decided from the config alone (the model built on the meta device): the native CPU step
@@ -58,8 +64,6 @@ def decode_steps(config: ModelConfig) -> dict:
     not leaves decoding to the eager layers."""
     from . import fastpath, native_decode
 
-    with torch.device("meta"):
-        model = FAMILIES[config.model_type].model(config)
-    features = model.features()
+    features = meta_model(config).features()
     return {"features": sorted(features), "native": features <= native_decode.IMPLEMENTS,
             "compiled": features <= fastpath.IMPLEMENTS}

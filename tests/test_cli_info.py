@@ -113,6 +113,25 @@ def test_info_without_a_chat_template_and_bad_input(capsys, model_dirs, tmp_path
         assert r.err.startswith("twice: error: ") and r.err.count("\n") == 1 and message in r.err
 
 
+@pytest.mark.parametrize("changes, words", [
+    ({"intermediate_size": 128}, "has shape [64, 96], the config implies [64, 128]"),  # was reported as 128, exit 0
+    ({"num_hidden_layers": 3}, "checkpoint is missing tensors: model.layers.2."),
+    ({"num_hidden_layers": 1}, "tensors not used by a llama model: model.layers.1."),
+    ({"vocab_size": 100}, "the tokenizer has token ids up to"),
+])
+def test_info_refuses_what_generate_would(capsys, model_dirs, tmp_path, changes, words):
+    # info reads no weights, but the headers' names and shapes and the tokenizer must agree
+    # with the config it reports.
+    dest = tmp_path / "m"
+    shutil.copytree(model_dirs("llama"), dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **changes}))
+    r = info(capsys, str(dest), "--json")
+    assert r.code == 2 and r.out == "" and r.err.count("\n") == 1 and words in r.err, r.err
+    gen = run_inprocess(["generate", "hi", "-m", str(dest), "-n", "1"], capsys)
+    assert gen.code == 2 and words in gen.err, gen.err  # the same line
+
+
 def test_info_of_a_gguf_run_as_stored(capsys, model_dirs, tmp_path):
     """A GGUF is described from its header: the stored types, their bytes and bits per
     weight; --dequantize describes its float copy instead."""

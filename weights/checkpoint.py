@@ -294,9 +294,11 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorFile]]:
             yield name, tf
 
 
-def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) -> None:
+def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None, check_only: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint in `folder` (whose `files`
-    checkpoint_files() has already listed and checked, if given)."""
+    checkpoint_files() has already listed and checked, if given). `check_only`: read no
+    data, only check the headers' names and shapes against the model (`twice info`, on a
+    model built on the meta device)."""
     files = files if files is not None else checkpoint_files(folder)
     targets = model.placements()
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -316,6 +318,10 @@ def load_into(model: CausalLM, folder: Path, files: list[Path] | None = None) ->
                     unexpected.append(name)
                 continue
             for target in places:
+                if check_only:
+                    _check_shape(tf, name, target, params[target.param])
+                    filled.setdefault(target.key, (name, tf))
+                    continue
                 if target.key in filled:  # a second tensor for the same place: it must say the same
                     _check_same(model, filled[target.key], (name, tf), target, params[target.param], scratch)
                     continue
@@ -380,9 +386,9 @@ def _check_same(model: CausalLM, first: tuple[str, TensorFile], second: tuple[st
     raise WeightsError(f"{where} {names} both fill {target.param} but hold different values; {why}")
 
 
-def _checked_read(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """The tensor `name` as stored (this rank's slice of it), after checking its shape
-    against the place it fills."""
+def _check_shape(tf: TensorFile, name: str, target: Target, param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` that tensor `name` fills, after checking the tensor's shape (in
+    its file's header) against it."""
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
     expected = list(dest.shape[::-1]) if target.transpose else list(dest.shape)
     if target.stored_shape is not None:  # stacked experts: the same values, grouped by expert
@@ -392,6 +398,13 @@ def _checked_read(tf: TensorFile, name: str, target: Target, param: torch.Tensor
     shape = tf.shape(name)
     if shape != tuple(expected):
         raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {expected}")
+    return dest
+
+
+def _checked_read(tf: TensorFile, name: str, target: Target, param: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """The tensor `name` as stored (this rank's slice of it), after checking its shape
+    against the place it fills."""
+    dest = _check_shape(tf, name, target, param)
     tensor = tf.read(name, target.source, scratch)
     return tensor.reshape(dest.shape) if target.stored_shape is not None else tensor
 

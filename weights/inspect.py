@@ -5,7 +5,7 @@ from __future__ import annotations
 from twice.core.device import DTYPE_NAMES, DTYPES, cpu_auto_dtype
 from twice.core.errors import UsageError
 
-from .checkpoint import checkpoint_files, validate_header
+from .checkpoint import checkpoint_files, load_into, validate_header
 from .files import read_config, read_generation_config
 from .gguf_load import gguf_source, named_as_the_gguf, stored_formats
 from .resolve import resolve
@@ -32,9 +32,19 @@ def describe(ref: str | None, revision: str | None = None, dtype: str = "auto", 
         stored = set(formats["types"])
     else:
         stored = set()
-        for path in checkpoint_files(folder):
+        files = checkpoint_files(folder, config)
+        for path in files:
             header = validate_header(path)
             stored |= {_STORED.get(v["dtype"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        # What generate would refuse, info refuses too: tensors missing, unused or of other
+        # shapes than the config implies (headers only, no data read), a tokenizer too big
+        # for the vocabulary.
+        from twice.core.models import meta_model
+
+        from .load import check_vocabulary
+
+        check_vocabulary(tokenizer, config, folder)
+        load_into(meta_model(config), folder, files, check_only=True)
         formats = {"types": {name: params}, "tensors": {}, "weight_bytes": params * element,
                    "bits_per_weight": 8.0 * element}
     # A mixture of experts reads only its chosen experts' weights per token (family.py).
