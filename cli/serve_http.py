@@ -782,11 +782,28 @@ def create_app(state: State):
 
     app.add_middleware(Guard, state=state)
     if config.cors:  # outermost: a preflight is answered before the key is asked for
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors, allow_methods=["GET", "POST", "OPTIONS"],
+        app.add_middleware(_cors_middleware(), allow_origins=config.cors, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type"])
     return app
+
+
+def _cors_middleware():
+    """Starlette's CORS middleware, its refused preflight (plain text "Disallowed CORS
+    origin") answered in the error shape every other refusal has."""
+    from fastapi.middleware.cors import CORSMiddleware
+    from starlette.responses import Response
+
+    class CORS(CORSMiddleware):
+        def preflight_response(self, request_headers):
+            answer = super().preflight_response(request_headers)
+            if answer.status_code != 400:
+                return answer
+            headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-type")}
+            error = ApiError(400, f"{answer.body.decode(errors='replace')} (allowed: {', '.join(self.allow_origins)})",
+                             code="cors_refused", headers=headers)
+            return Response(error.json_bytes(), status_code=400, headers=error.headers, media_type="application/json")
+
+    return CORS
 
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

@@ -289,6 +289,10 @@ def test_api_key_queue_limit_and_cors(model, tmp_path_factory):
         assert pre.headers["access-control-allow-origin"] == "https://app.example"
         other = httpx.get(s.url + "/health", headers={"origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+        refused = httpx.options(s.url + "/v1/completions", headers={"origin": "https://evil.example",
+                                                                    "access-control-request-method": "POST"})
+        _error(refused, 400, "cors_refused")  # the error shape, not plain text
+        assert "Disallowed CORS origin" in refused.json()["error"]["message"]
     finally:
         s.stop()
     assert s.proc.returncode == 0
