@@ -509,8 +509,8 @@ def unsupported_architecture(path):
 
 
 def absurd_block_count(path):
-    write_small_gguf(path, metadata={"llama.block_count": 2**31})
-    return "metadata says 2147483648 layers (block_count) but the file holds only 11 tensors"
+    write_small_gguf(path, metadata={"llama.block_count": 2**30})  # 2**31 and up: "at most 2,147,483,647"
+    return "metadata says 1073741824 layers (block_count) but the file holds only 11 tensors"
 
 
 GGUF_BREAKS = [bad_magic, truncated, cut_in_the_header, unsupported_quantization, unsupported_architecture,
