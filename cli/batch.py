@@ -23,10 +23,11 @@ from typing import Optional
 import typer
 
 from twice.core.errors import PromptError, TwiceError
+from twice.core.fields import show
 
 from . import options as o
 from .app import app
-from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, show_value, parse_input, read_input
+from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, parse_input, read_input
 from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
                            scan_output, check_model, check_resumed)
 from .console import COLOR, err_console
@@ -224,7 +225,7 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
                     finished.add(event.row)
                     progress.advance(stats)
                 elif isinstance(event, Notice):
-                    where = f"id {show_value(jobs[event.row].record.id)}: " if event.row is not None else ""
+                    where = f"id {show(jobs[event.row].record.id)}: " if event.row is not None else ""
                     say(f"note: {where}{event.message}")
             pending = []
         except DeviceError as e:
@@ -236,7 +237,7 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
             held = min(size, len(started) + len(finished))
             if held <= 1:
                 first = started[0] if started else left[0]
-                raise DeviceError(f"{e} (even one prompt at a time: id {show_value(jobs[first].record.id)})") from None
+                raise DeviceError(f"{e} (even one prompt at a time: id {show(jobs[first].record.id)})") from None
             size = max(1, held // 2)
             stats.oom_retries += 1
             stats.prompts -= len(left)
@@ -740,7 +741,7 @@ def _report_lines(name: str, errors: list[LineError], records: list[Record]) -> 
         for key in r.unknown_keys:
             unused.setdefault(key, r.line)
     for key, line in unused.items():  # once per key, not per line: a typo shows up without flooding
-        _say(f"note: {name}:{line}: key {show_value(key)} is not used (known: {', '.join(sorted(KNOWN_KEYS))})")
+        _say(f"note: {name}:{line}: key {show(key)} is not used (known: {', '.join(sorted(KNOWN_KEYS))})")
 
 
 def _say(message: str) -> None:

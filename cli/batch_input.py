@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.errors import PromptError
-from twice.core.fields import DuplicateKeyError, loads, unique_keys, unpaired_surrogate
+from twice.core.fields import DuplicateKeyError, loads, show, unique_keys, unpaired_surrogate
 
 from .prompt_input import strip_bom
 
@@ -78,7 +78,7 @@ def parse_input(text: str, fmt: str) -> tuple[list[Record], list[LineError]]:
             errors.append(LineError(number, str(e)))
             continue
         if record.key in first_seen:
-            errors.append(LineError(number, f"duplicate id {show_value(record.id)} (first on line {first_seen[record.key]}); skipped"))
+            errors.append(LineError(number, f"duplicate id {show(record.id)} (first on line {first_seen[record.key]}); skipped"))
             continue
         first_seen[record.key] = number
         records.append(record)
@@ -173,7 +173,7 @@ def _option(key: str, value):
     low, high = {"max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, 2**63 - 1)}[key]
     if value < low or (high is not None and value > high):
         limit = f">= {low}" if high is None else f"in [{low}, 2^63)"
-        raise _BadLine(f'"{key}" must be {limit}, got {show_value(value)}')
+        raise _BadLine(f'"{key}" must be {limit}, got {show(value)}')
     return value
 
 
@@ -200,11 +200,6 @@ def _text(value, what: str) -> str:
 def _kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null",
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def show_value(value) -> str:
-    shown = json.dumps(value, ensure_ascii=True)  # quoted, escaped: always one line
-    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 # -- the output file and --resume -------------------------------------------------------

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from twice.core.errors import PromptError, TwiceError
-from twice.core.fields import JSONLimitError, loads
+from twice.core.fields import JSONLimitError, loads, show
 from twice.weights.safe_write import sync_folder
-
-from .batch_input import show_value
 
 OUR_PREFIX = b'{"id": '  # every line we write starts so (json.dumps of a dict whose first key is id)
 
@@ -97,7 +95,7 @@ def check_resumed(state: OutputState, records, name: str, output: str) -> None:
             continue
         echo = {"prompt": record.prompt} if record.messages is None else {"messages": record.messages}
         if echo_digest(echo) != seen[1]:
-            raise PromptError(f"{output}:{seen[0]}: the result for id {show_value(record.id)} answers another "
+            raise PromptError(f"{output}:{seen[0]}: the result for id {show(record.id)} answers another "
                               f"{'prompt' if record.messages is None else 'conversation'} than {name}:{record.line}; "
                               "--resume continues the run of the same input (choose another --output file)")
 
@@ -110,8 +108,8 @@ def check_model(state: OutputState, model: str, output: str) -> None:
     for other, line in state.models.items():
         theirs = _model_key(other)
         if theirs is not None and mine is not None and theirs != mine:
-            raise PromptError(f"{output}:{line}: its results are from the model {show_value(other)}, this run "
-                              f"loads {show_value(model)}; --resume continues the run of the same model "
+            raise PromptError(f"{output}:{line}: its results are from the model {show(other)}, this run "
+                              f"loads {show(model)}; --resume continues the run of the same model "
                               "(choose another --output file)")
 
 

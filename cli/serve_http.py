@@ -380,7 +380,10 @@ class Parser:
         except ApiError:
             raise
         except TwiceError as e:
-            raise ApiError(400, _strip_source(str(e)), code="invalid_value") from None
+            message = _strip_source(str(e))
+            field = message.split(" ", 1)[0]  # Fields' messages begin with the key they are about
+            raise ApiError(400, message, code="invalid_value",
+                           param=field if field.split(".", 1)[0] in body else None) from None
         return Job(request, settings, stream, include_usage, logprobs, presence, frequency)
 
     def _chat_request(self, f):

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 
 from .errors import PromptError
-from .fields import describe_json_error, loads
+from .fields import describe_json_error, loads, show
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_SPEC_BYTES = 1 << 20  # a schema, regex or grammar: at most 1 MiB of text
@@ -157,10 +157,10 @@ def spec_from_dict(d: dict, where: str = "constraint") -> ConstraintSpec | None:
         if syntax is None:
             syntax = grammar_kind(text)
         if syntax not in ("lark", "gbnf"):
-            raise ConstraintError(f"{where}.syntax must be \"lark\" or \"gbnf\", got {_show(syntax)}")
+            raise ConstraintError(f"{where}.syntax must be \"lark\" or \"gbnf\", got {show(syntax)}")
         return ConstraintSpec(syntax, text, f"{where}.grammar")
     raise ConstraintError(f"{where}.type must be one of \"text\", \"json_object\", \"json_schema\", \"regex\", "
-                          f"\"grammar\", got {_show(kind)}")
+                          f"\"grammar\", got {show(kind)}")
 
 
 def constraint_from_response_format(response_format) -> ConstraintSpec | None:
@@ -336,11 +336,6 @@ def _first_lines(message: str, limit: int = 300) -> str:
 def _kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null",
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _show(value) -> str:
-    shown = json.dumps(value, ensure_ascii=True, default=str)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def masks(rows) -> list | None:

@@ -106,9 +106,12 @@ def describe_json_error(e: ValueError) -> str:
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """A short, printable rendering of a bad value for an error message."""
+    """A short, printable rendering of a bad value for an error message, in JSON's spelling
+    (true, null, "text": what the file or request holds), on one line, ASCII-escaped."""
     try:
-        text = repr(value)
+        # a float JSON cannot write (1e400 read as inf) as Python does, not as "Infinity"
+        text = repr(value) if isinstance(value, float) and not math.isfinite(value) else \
+            json.dumps(value, ensure_ascii=True, default=repr)
     except (ValueError, RecursionError):  # an int too long for str(), a deep structure
         text = f"<{type(value).__name__}>"
     text = text.encode("ascii", "backslashreplace").decode("ascii")

@@ -50,7 +50,7 @@ def break_model_type(folder):
     (folder / "config.json").write_text(json.dumps(cfg))
     from twice.core.models import FAMILIES
 
-    return f"model_type 'bert' is not supported; supported: {', '.join(sorted(FAMILIES))}"
+    return f"model_type \"bert\" is not supported; supported: {', '.join(sorted(FAMILIES))}"
 
 
 def break_no_config(folder):
@@ -95,7 +95,7 @@ def break_rope_type(folder):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "rope type 'dynamic' is not supported"
+    return "rope type \"dynamic\" is not supported"
 
 
 def break_missing_tensor(folder):

@@ -314,7 +314,7 @@ BAD = [
      "partial_rotary_factor 0.5625 of head_dim 16 gives a rotary dimension of 9; it must be even and at least 2"),
     (_rope(factor=0.5), ConfigError, "rope_parameters.factor must be a number in [1, 1,000,000], got 0.5"),
     (_rope(attention_factor=-1), ConfigError, "rope_parameters.attention_factor must be a number in (0"),
-    (_rope(rope_type="linear", factor=2.0), UnsupportedModelError, "phi3 rope type 'linear' is not supported"),
+    (_rope(rope_type="linear", factor=2.0), UnsupportedModelError, "phi3 rope type \"linear\" is not supported"),
     (_hub(short_factor=[1.0] * 7), ConfigError, "rope_scaling.short_factor must be a list of 6 numbers"),
     (_hub(long_factor=[1.0, 1.0, 1.0, 1.0, 1.0, float("nan")]), ConfigError, "rope_scaling.long_factor[5] must be a number"),
     (lambda cfg: cfg.update(original_max_position_embeddings=0), ConfigError,

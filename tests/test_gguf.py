@@ -467,14 +467,14 @@ def test_unsupported_tokenizer_model(tmp_path):
     model = hf_model()
     metadata = base_metadata(model) | {"tokenizer.ggml.model": "bert"}  # llama.cpp's WordPiece
     src = write_gguf(tmp_path / "wpm.gguf", metadata, gguf_tensors(model, quantized=()))
-    assert_refused(src, tmp_path / "out", UnsupportedModelError, "tokenizer model 'bert'", "gpt2", "llama")
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, 'tokenizer model "bert"', "gpt2", "llama")
 
 
 def test_unknown_pre_tokenizer(tmp_path):
     model = hf_model()
     metadata = base_metadata(model) | {"tokenizer.ggml.pre": "chatglm-bpe"}
     src = write_gguf(tmp_path / "pre.gguf", metadata, gguf_tensors(model, quantized=()))
-    assert_refused(src, tmp_path / "out", UnsupportedModelError, "'chatglm-bpe'", "smollm")
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, '"chatglm-bpe"', "smollm")
 
 
 def test_unsupported_quantization(tmp_path):

@@ -608,12 +608,12 @@ def refused(tmp_path, metadata: dict, error: type, *fragments: str) -> str:
 
 def test_unknown_tokenizer_model_is_refused(tmp_path):
     refused(tmp_path, spm_metadata() | {"tokenizer.ggml.model": "t5"}, UnsupportedModelError,
-            "tokenizer model 't5'", "gpt2", "llama")
+            "tokenizer model \"t5\"", "gpt2", "llama")
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path):
     refused(tmp_path, byte_level_metadata("gpt-2") | {"tokenizer.ggml.pre": "chatglm-bpe"}, UnsupportedModelError,
-            "pre-tokenizer 'chatglm-bpe'", "qwen2", "smollm", "llama-bpe")
+            "pre-tokenizer \"chatglm-bpe\"", "qwen2", "smollm", "llama-bpe")
 
 
 def test_sentencepiece_pre_name_is_ignored(tmp_path):
@@ -628,7 +628,7 @@ def test_sentencepiece_pre_name_is_ignored(tmp_path):
     (lambda m: m["tokenizer.ggml.scores"].pop(), ["tokenizer.ggml.scores has"]),
     (lambda m: m["tokenizer.ggml.scores"].__setitem__(300, math.nan), ["tokenizer.ggml.scores[300]", "finite"]),
     (lambda m: m["tokenizer.ggml.token_type"].pop(), ["tokenizer.ggml.token_type has"]),
-    (lambda m: m["tokenizer.ggml.tokens"].__setitem__(300, "<s>"), ["'<s>' appears twice", "1 and 300"]),
+    (lambda m: m["tokenizer.ggml.tokens"].__setitem__(300, "<s>"), ['"<s>" appears twice', "1 and 300"]),
     (lambda m: m.update(byte_level_metadata("gpt-2") | {"tokenizer.ggml.bos_token_id": None,
                                                          "tokenizer.ggml.add_bos_token": True}),
      ["add_bos_token is true", "no bos token"]),
@@ -649,5 +649,5 @@ def test_cli_refuses_unknown_tokenizer_model_in_one_line(tmp_path, capsys):
     path = write_gguf(tmp_path / "rwkv.gguf", metadata, tiny_llama_tensors(metadata["llama.vocab_size"]))
     data = path.read_bytes()
     line = one_error_line(run_inprocess(["convert", str(path), str(tmp_path / "out")], capsys))
-    assert "tokenizer model 'rwkv' is not supported" in line
+    assert "tokenizer model \"rwkv\" is not supported" in line
     assert path.read_bytes() == data and not (tmp_path / "out").exists()

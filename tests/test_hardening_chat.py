@@ -222,12 +222,12 @@ def _nan(path):
 
 def _version_true(path):
     path.write_text('{"version": true, "messages": []}')
-    return "unsupported version True"
+    return "unsupported version true"
 
 
 def _role_not_text(path):
     path.write_text('{"version": 1, "messages": [{"role": ["user"], "content": "x"}]}')
-    return "messages[0].role must be 'user' or 'assistant', got ['user']"
+    return "messages[0].role must be 'user' or 'assistant', got [\"user\"]"
 
 
 BAD_FILES = [_deep, _surrogate_in_content, _surrogate_in_system, _surrogate_in_model, _fifo, _folder, _too_big,

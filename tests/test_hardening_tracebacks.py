@@ -77,10 +77,10 @@ def _rope(kind, **fields):
 BIG = 10**99  # within fields.loads' 100 digits, so the getter, not the parser, refuses it
 CONFIG_CASES = [
     # (changes to config.json, words of the line)
-    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
-    ({"attention_bias": "yes"}, "attention_bias must be true or false, got 'yes'"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got \"no\""),
+    ({"attention_bias": "yes"}, "attention_bias must be true or false, got \"yes\""),
     ({"mlp_bias": 1}, "mlp_bias must be true or false, got 1"),
-    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got \"1e-6\""),
     ({"rms_norm_eps": [1e-6]}, "rms_norm_eps must be a positive number, got [1e-06]"),
     ({"hidden_act": ["silu"]}, "hidden_act must be a string"),
     ({"bos_token_id": "0"}, "bos_token_id must be a non-negative integer"),
@@ -89,7 +89,7 @@ CONFIG_CASES = [
     ({"max_position_embeddings": 2**40}, "max_position_embeddings must be a positive integer of at most"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": BIG}}, "rope_parameters.rope_theta must be a number in (1, 1e+30]"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta must be a number"),
-    ({"rope_parameters": {"rope_type": ["yarn"], "rope_theta": 1e4}}, "rope type ['yarn'] is not supported"),
+    ({"rope_parameters": {"rope_type": ["yarn"], "rope_theta": 1e4}}, "rope type [\"yarn\"] is not supported"),
     ({"rope_parameters": _rope("linear", factor="2")}, "rope_parameters.factor must be a number in [1, 1,000,000]"),
     ({"rope_parameters": _rope("llama3", factor=BIG)}, "rope_parameters.factor must be a number in [1, 1,000,000]"),
     ({"rope_parameters": _rope("yarn", factor=0.5)}, "rope_parameters.factor must be a number in [1, 1,000,000], got 0.5"),
@@ -185,15 +185,15 @@ def test_every_accepted_rope_field_computes(tmp_path):
 
 # -- generation_config.json ---------------------------------------------------------------------------
 GENERATION_CASES = [
-    ({"temperature": "hot"}, "temperature must be a non-negative number, got 'hot'"),
+    ({"temperature": "hot"}, "temperature must be a non-negative number, got \"hot\""),
     ({"temperature": [0.7]}, "temperature must be a non-negative number, got [0.7]"),
     ("1e400", "temperature must be a non-negative number, got inf"),  # JSON's 1e400 is a float overflow
-    ({"top_k": "x"}, "top_k must be a non-negative integer, got 'x'"),
+    ({"top_k": "x"}, "top_k must be a non-negative integer, got \"x\""),
     ({"top_k": 2.5}, "top_k must be a non-negative integer, got 2.5"),
     ({"top_p": 0}, "top_p must be a number in (0, 1], got 0"),
     ({"min_p": 1}, "min_p must be a number in [0, 1), got 1"),
     ({"repetition_penalty": {}}, "repetition_penalty must be a positive number, got {}"),
-    ({"do_sample": "no"}, "do_sample must be true or false, got 'no'"),
+    ({"do_sample": "no"}, "do_sample must be true or false, got \"no\""),
     ({"do_sample": 0}, "do_sample must be true or false, got 0"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them"),
 ]

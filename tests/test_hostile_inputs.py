@@ -199,7 +199,7 @@ def absurd_layer_count(folder):
 
 def dynamic_rope(folder):
     set_json(folder / "config.json", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    return "config.json", "rope type 'dynamic' is not supported"
+    return "config.json", "rope type \"dynamic\" is not supported"
 
 
 def broken_generation_config(folder):

@@ -237,6 +237,9 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     _error(_post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, "invalid_value", ["temperature"])
     _error(_post(server, "/v1/completions", {**ok, "max_tokens": 0}), 400, "invalid_value", ["max_tokens"])
     _error(_post(server, "/v1/completions", {**ok, "top_p": 1.5}), 400, "invalid_value", ["top_p"])
+    e = _error(_post(server, "/v1/completions", {**ok, "max_tokens": True}), 400, "invalid_value",
+               ["max_tokens must be", "got true"])  # JSON's spelling, not Python's True
+    assert e["param"] == "max_tokens"
     _error(_post(server, "/v1/completions", {**ok, "stop": [1]}), 400, None, ["stop"])
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "unsupported")
     _error(_post(server, "/v1/completions", {**ok, "prompt": 5}), 400, None, ["prompt"])
