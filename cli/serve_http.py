@@ -357,6 +357,9 @@ class Parser:
                 stops = tuple(stop)
             else:
                 raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
+            if any(x == "" for x in stops):  # as --stop "" and a batch line's: it would match nothing
+                raise ApiError(400, "a stop string is empty (an empty text matches nothing; leave it out)",
+                               param="stop", code="invalid_value")
             if any(len(x) > 1000 for x in stops):
                 raise ApiError(400, "a stop string may be at most 1000 characters", param="stop")
             if any(unpaired_surrogate(x) is not None for x in stops):

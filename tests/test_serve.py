@@ -240,6 +240,8 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     e = _error(_post(server, "/v1/completions", {**ok, "max_tokens": True}), 400, "invalid_value",
                ["max_tokens must be", "got true"])  # JSON's spelling, not Python's True
     assert e["param"] == "max_tokens"
+    e = _error(_post(server, "/v1/completions", {**ok, "stop": ["x", ""]}), 400, "invalid_value", ["stop string is empty"])
+    assert e["param"] == "stop"
     _error(_post(server, "/v1/completions", {**ok, "stop": [1]}), 400, None, ["stop"])
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "unsupported")
     _error(_post(server, "/v1/completions", {**ok, "prompt": 5}), 400, None, ["prompt"])
