@@ -78,9 +78,10 @@ def _parse_constant(name: str) -> float:
 def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None, **kwargs) -> Any:
     """json.loads with bounds: at most `max_bytes` (checked before parsing), at most
     `max_depth` levels of nesting, integers of at most MAX_INT_DIGITS digits, no NaN or
-    Infinity literals (`object_pairs_hook=unique_keys` refuses a key given twice). Raises ValueError (JSONLimitError for a bound, json.JSONDecodeError
-    for bad syntax, UnicodeDecodeError for bytes that are not UTF-8) with a one-line
-    message; callers add the file's name."""
+    Infinity literals (`object_pairs_hook=unique_keys` refuses a key given twice). Raises
+    ValueError (JSONLimitError for a bound, json.JSONDecodeError for bad syntax,
+    UnicodeDecodeError for bytes that are not UTF-8) with a one-line message; callers add
+    the file's name."""
     if max_bytes is not None and len(text) > max_bytes:
         raise JSONLimitError(f"{len(text):,} bytes, more than the {max_bytes:,} allowed")
     if isinstance(text, (bytes, bytearray)):
