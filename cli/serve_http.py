@@ -365,6 +365,9 @@ class Parser:
             if any(unpaired_surrogate(x) is not None for x in stops):
                 raise ApiError(400, "a stop string holds a lone surrogate (not UTF-8 text)", param="stop")
             stream = f.bool("stream", False)
+            if body.get("stream_options") is not None and not stream:  # as OpenAI: it would be ignored
+                raise ApiError(400, "stream_options is only allowed with \"stream\": true", param="stream_options",
+                               code="invalid_value")
             options = Fields(f.dict("stream_options", {}), "request: stream_options", PromptError)
             extra = sorted(set(options.data) - {"include_usage", "continuous_usage_stats"})
             if extra:

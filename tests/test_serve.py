@@ -242,6 +242,9 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     assert e["param"] == "max_tokens"
     e = _error(_post(server, "/v1/completions", {**ok, "stop": ["x", ""]}), 400, "invalid_value", ["stop string is empty"])
     assert e["param"] == "stop"
+    e = _error(_post(server, "/v1/completions", {**ok, "stream_options": {"include_usage": True}}), 400,
+               "invalid_value", ['only allowed with "stream": true'])  # OpenAI's rule: it would be ignored
+    assert e["param"] == "stream_options"
     _error(_post(server, "/v1/completions", {**ok, "stop": [1]}), 400, None, ["stop"])
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "unsupported")
     _error(_post(server, "/v1/completions", {**ok, "prompt": 5}), 400, None, ["prompt"])
