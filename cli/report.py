@@ -125,7 +125,7 @@ def timing_table(result, loaded) -> Table:
               "after the first token: (generated − 1) ÷ decode time"
               + ("; needs at least 2 generated tokens (a decode step)" if rate is None else ""))
     t.add_row("", "step", getattr(r, "decode_path", "eager"),
-              "native: one C call per step (llama family, CPU); compiled: torch.compile (batch 1 on the CPU; any batch, as a CUDA graph, on a GPU); eager: PyTorch layers")
+              "native: one C call per step (CPU, a model whose every feature the C step implements); compiled: torch.compile (batch 1 on the CPU; any batch, as a CUDA graph, on a GPU); eager: PyTorch layers")
     if steps:
         p = latency_percentiles(steps)
         t.add_row("", "step latency p50", seconds(p["p50"]),

@@ -388,8 +388,9 @@ class Parser:
         except TwiceError as e:
             message = _strip_source(str(e))
             field = message.split(" ", 1)[0]  # Fields' messages begin with the key they are about
-            raise ApiError(400, message, code="invalid_value",
-                           param=field if field.split(".", 1)[0] in body else None) from None
+            missing = message == f"{field} is missing"  # OpenAI's code for a required field left out
+            raise ApiError(400, message, code="missing_required_parameter" if missing else "invalid_value",
+                           param=field if field.split(".", 1)[0] in allowed else None) from None
         return Job(request, settings, stream, include_usage, logprobs, presence, frequency)
 
     def _chat_request(self, f):
@@ -441,7 +442,17 @@ class Parser:
                                param="prompt")
             return Request(ids=list(prompt))
         if prompt is None:
-            raise ApiError(400, "prompt is missing", param="prompt")
+            raise ApiError(400, "prompt is missing", param="prompt", code="missing_required_parameter")
+        if isinstance(prompt, list):  # say which part of the list is wrong, not only that it is a list
+            if not prompt:
+                raise ApiError(400, "prompt is an empty list (there is nothing to complete)", param="prompt",
+                               code="invalid_prompt")
+            if all(isinstance(p, (str, list)) for p in prompt):
+                raise ApiError(400, f"prompt holds {len(prompt)} prompts; this server completes one prompt per "
+                                    "request (send one request each)", param="prompt", code="unsupported")
+            i, bad = next((i, t) for i, t in enumerate(prompt) if isinstance(t, bool) or not isinstance(t, int))
+            raise ApiError(400, f"prompt[{i}] must be a token id (an integer), got {_kind(bad)} "
+                                f"{json.dumps(bad)[:40]}", param="prompt", code="invalid_value")
         raise ApiError(400, f"prompt must be a string, a list of token ids, or a list of one of those, got "
                             f"{_kind(prompt)}", param="prompt")
 

@@ -249,9 +249,18 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "unsupported")
     _error(_post(server, "/v1/completions", {**ok, "prompt": 5}), 400, None, ["prompt"])
     _error(_post(server, "/v1/completions", {**ok, "prompt": [10**9]}), 400, None, ["vocabulary"])
+    _error(_post(server, "/v1/completions", {**ok, "prompt": []}), 400, "invalid_prompt", ["empty list"])
+    _error(_post(server, "/v1/completions", {**ok, "prompt": [1.0]}), 400, "invalid_value", ["prompt[0]", "1.0"])
+    _error(_post(server, "/v1/completions", {**ok, "prompt": [3, True]}), 400, "invalid_value", ["prompt[1]", "true"])
+    _error(_post(server, "/v1/completions", {**ok, "prompt": ["a", "b"]}), 400, "unsupported", ["2 prompts"])
+    e = _error(_post(server, "/v1/completions", {"model": model}), 400, "missing_required_parameter")
+    assert e["param"] == "prompt"
     _error(_post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
            400, None, ["role"])
     _error(_post(server, "/v1/chat/completions", {"model": model, "messages": "hi"}), 400, "invalid_value")
+    e = _error(_post(server, "/v1/chat/completions", {"model": model}), 400, "missing_required_parameter",
+               ["messages is missing"])
+    assert e["param"] == "messages"  # named though the body has no such key
     # no request names a file or a model to load: another model id is refused, nothing is read
     _error(_post(server, "/v1/completions", {**ok, "model": "/etc/passwd"}), 404, "model_not_found")
     # bodies over 4 MiB: refused by their declared length, or as they arrive
