@@ -104,7 +104,7 @@ _ROPE_FIELDS: dict[str, tuple[tuple, ...]] = {
     "llama3": (("factor", "float", 1, False, 1e6, True), ("low_freq_factor", "float", 0, True, 1e6, True),
                ("high_freq_factor", "float", 0, True, 1e6, True),
                ("original_max_position_embeddings", "int", 1, False, MAX_SIZE, True)),
-    "yarn": (("factor", "float", 1, False, 1e6, False), ("original_max_position_embeddings", "int", 1, False, MAX_SIZE, True),
+    "yarn": (("factor", "float", 1, False, 1e6, True), ("original_max_position_embeddings", "int", 1, False, MAX_SIZE, True),
              ("beta_fast", "float", 0, True, 1e6, False), ("beta_slow", "float", 0, True, 1e6, False),
              ("mscale", "float", 0, False, 1e6, False), ("mscale_all_dim", "float", 0, False, 1e6, False),
              ("attention_factor", "float", 0, True, 1e6, False)),
@@ -222,7 +222,13 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             if raw.get(new) is None:
                 spelled[new] = old
     # null means "none" for the fields a family says so of (a window, a soft-cap), else "the default"
-    d.update({k: v for k, v in raw.items() if v is not None or k in ("sliding_window", *fam.nullable)})
+    shadowed = set(fam.renamed.values())  # read only under the family's own names
+    d.update({k: v for k, v in raw.items()
+              if (v is not None or k in ("sliding_window", *fam.nullable)) and k not in shadowed})
+    for own, new in fam.renamed.items():
+        if raw.get(own) is not None:
+            d[new] = raw[own]
+            spelled[new] = own
     fam.complete(d)
     f = Fields(d, source, spelled=spelled)
 
@@ -260,6 +266,10 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     tied = f.bool("tie_word_embeddings", False)  # true/false only: "no" in a config is a mistake
     bos = f.int("bos_token_id", None, lo=0)
     eos = f.token_ids("eos_token_id")
+    if d.get("layer_types") is not None:
+        # checked wherever a config gives it, as transformers checks it in every config; the
+        # families that slide read it in their configure
+        layer_types_from(f, d, layers)
     own = fam.configure(model_type, f, d, layers)
 
     dtype = d.get("dtype", d.get("torch_dtype"))

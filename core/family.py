@@ -37,8 +37,13 @@ class Family:
     active_parameter_count: Callable[[Any], int] | None = None
     # transformers' defaults per model_type, for fields a config.json may leave out.
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Older field names read as the shared ones (GPT-2's n_embd → hidden_size, ...).
+    # Older field names read as the shared ones (GPT-2's n_embd → hidden_size, ...), as
+    # transformers' attribute_map: where a config.json has both, the shared name wins.
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # Fields the family's transformers config names its own way and reads only so (GPT2Config
+    # reads activation_function, never hidden_act): the shared name in its config.json is
+    # ignored, as transformers ignores it.
+    renamed: Mapping[str, str] = field(default_factory=dict)
     # Fills defaults that depend on other fields, in the merged dict, before it is read
     # (GPT-2's intermediate size of 4 · hidden).
     complete: Callable[[dict], None] = lambda d: None

@@ -137,10 +137,12 @@ FAMILY = Family(
     parameter_count=parameter_count,
     defaults={"gpt2": dict(max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
                            hidden_act="gelu_new")},
-    # GPT-2 spells the common fields its own way (transformers' GPT2Config.attribute_map).
+    # GPT-2 spells the common fields its own way: these four as transformers' GPT2Config.attribute_map
+    # (hidden_size, if also given, wins) ...
     aliases={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
-             "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+             "n_positions": "max_position_embeddings"},
+    # ... and these three only so (a hidden_act in a gpt2 config.json changes nothing in transformers)
+    renamed={"n_inner": "intermediate_size", "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
     complete=_complete,
     rotary=False,
     hf_config={"gpt2": "GPT2Config"},

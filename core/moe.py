@@ -159,7 +159,7 @@ def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
             window, layer_types = size_field(f, "sliding_window"), ("sliding_attention",) * layers
     else:  # qwen2_moe: transformers' default places windows on the even layers below max_window_layers
         qkv_bias, o_bias = f.bool("qkv_bias", True), False
-        if f.bool("use_sliding_window", False) and d.get("sliding_window"):
+        if f.bool("use_sliding_window", False) and d.get("sliding_window") is not None:
             window = size_field(f, "sliding_window")
             layer_types = layer_types_from(f, d, layers)
             if layer_types is None:

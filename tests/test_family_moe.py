@@ -198,6 +198,8 @@ def _config(name, model_dirs, **changes):
     ("qwen3_moe", {"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be"),
     ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be"),
+    # a window of 0 tokens (transformers fails inside its first step): refused, not read as none
+    ("qwen2_moe", {"sliding_window": 0}, "sliding_window must be a positive integer"),
 ])
 def test_bad_configs_are_one_line_naming_the_field(model_dirs, tmp_path, capsys, name, changes, words):
     folder = tmp_path / "m"

@@ -106,6 +106,13 @@ CONFIG_CASES = [
     ({"rope_parameters": _rope("yarn", partial_rotary_factor="1")}, "rope_parameters.partial_rotary_factor must be a number"),
     ({"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": _rope("yarn", beta_fast=[1])},
      "rope_scaling.beta_fast must be a number"),
+    # transformers refuses these too: yarn names its factor; layer_types is checked in every
+    # config (llama reads none of it, a wrong one is still a mistake in the file)
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor is missing"),
+    ({"layer_types": ["full_attention"]}, "layer_types must list one of full_attention/sliding_attention per layer "
+                                          "(2 layers), got 1 entries"),
+    ({"layer_types": ["full_attention", "bogus"]}, "layer_types must list one of"),
+    ({"layer_types": "full_attention"}, "layer_types must list one of"),
 ]
 
 
@@ -134,6 +141,22 @@ def test_a_gpt2_config_is_named_by_its_own_keys(key, value, words):
     with pytest.raises(ConfigError) as e:
         config_from_dict(raw)
     assert words in str(e.value), str(e.value)
+
+
+def test_a_gpt2_config_reads_its_own_names_only_where_transformers_does():
+    # GPT2Config reads activation_function, layer_norm_epsilon and n_inner, never the shared
+    # names; hidden_size (as attribute_map) wins over n_embd where both are given.
+    import transformers
+
+    from twice.core.config import config_from_dict
+
+    raw = {"model_type": "gpt2", "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
+           "activation_function": "gelu_new", "hidden_act": "relu", "layer_norm_epsilon": 1e-5, "rms_norm_eps": 0.5,
+           "intermediate_size": 7}
+    c, hf = config_from_dict(raw), transformers.GPT2Config.from_dict(raw)
+    assert (c.hidden_act, c.rms_norm_eps, c.intermediate_size) == (hf.activation_function, hf.layer_norm_epsilon, 4 * 64)
+    both = config_from_dict({**raw, "hidden_size": 32})
+    assert both.hidden_size == transformers.GPT2Config.from_dict({**raw, "hidden_size": 32}).n_embd == 32
 
 
 def test_400_digit_numbers_anywhere_in_a_json_file_are_one_line(llama, tmp_path, capsys):
