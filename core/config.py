@@ -115,7 +115,7 @@ _ROPE_FIELDS: dict[str, tuple[tuple, ...]] = {
 }
 
 
-def normalize_rope(d: dict, source: str) -> dict:
+def normalize_rope(d: dict, source: str, partial_rotary: bool = False) -> dict:
     """Merge the Hub form (rope_theta + rope_scaling) and the transformers 5 form
     (rope_parameters) into one dict with `rope_type` and `rope_theta`, every numeric field
     of the rope type checked for its type and range (one-line ConfigError naming the key)."""
@@ -159,6 +159,9 @@ def normalize_rope(d: dict, source: str) -> dict:
     # there); only the first rotary_dim = int(head_dim · factor) dimensions of a head rotate.
     top_partial = top.float("partial_rotary_factor", 1.0, lo=0, lo_open=True, hi=1)
     partial = rope.float(f"{key}.partial_rotary_factor", top_partial, lo=0, lo_open=True, hi=1)
+    if partial != 1.0 and not partial_rotary:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor {partial:g}: {d.get('model_type')} models rotate "
+                                    "the whole head (partial rotary embeddings are phi3's); remove the field")
     head_dim = d.get("head_dim") or top.int("hidden_size", lo=1) // top.int("num_attention_heads", lo=1)
     rotary_dim = int(head_dim * partial)
     if rotary_dim < 2 or rotary_dim % 2:
@@ -262,7 +265,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         raise UnsupportedModelError(
             f"{source}: activation {show(act)} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
-    rope = normalize_rope(d, source) if fam.rotary else None
+    rope = normalize_rope(d, source, fam.partial_rotary) if fam.rotary else None
     tied = f.bool("tie_word_embeddings", False)  # true/false only: "no" in a config is a mistake
     bos = f.int("bos_token_id", None, lo=0)
     eos = f.token_ids("eos_token_id")

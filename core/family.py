@@ -52,6 +52,10 @@ class Family:
     # Rotary position embeddings (rope_theta / rope_scaling / rope_parameters are read and
     # checked); False for learned absolute positions.
     rotary: bool = True
+    # Its attention rotates only partial_rotary_factor of each head (phi3). Elsewhere a
+    # factor other than 1 is refused: transformers ignores it for some of those families and
+    # fails on it for others, so no reading of it is the model's.
+    partial_rotary: bool = False
     # transformers' config class per model_type (benchmark twins and tests build with it).
     hf_config: Mapping[str, str] = field(default_factory=dict)
 

@@ -91,5 +91,6 @@ FAMILY = Family(
     defaults={"phi3": dict(hidden_act="silu", max_position_embeddings=4096, original_max_position_embeddings=4096,
                            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None)},
     complete=complete,
+    partial_rotary=True,
     hf_config={"phi3": "Phi3Config"},
 )

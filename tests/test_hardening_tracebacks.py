@@ -113,6 +113,10 @@ CONFIG_CASES = [
                                           "(2 layers), got 1 entries"),
     ({"layer_types": ["full_attention", "bogus"]}, "layer_types must list one of"),
     ({"layer_types": "full_attention"}, "layer_types must list one of"),
+    # partial rotary is phi3's: transformers ignores the field for llama, or fails on it
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5: llama models rotate the whole head"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5: llama models rotate the whole head"),
 ]
 
 
