@@ -29,7 +29,7 @@ from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, parse_input, read_input
 from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
-                           scan_output, check_model, check_resumed)
+                           scan_output, check_model, check_resumed, check_settings)
 from .console import COLOR, err_console
 from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
@@ -46,6 +46,7 @@ class Job:
     record: Record
     settings: object  # GenerationSettings
     ids: list[int]
+    recorded: dict = field(default_factory=dict)  # settings_record: what its result line says it ran with
 
 
 def build_request(record: Record, use_chat: bool, system: str | None):
@@ -80,6 +81,23 @@ def line_settings(record: Record, base):
     return dataclasses.replace(base, **changes) if changes else base
 
 
+def settings_record(record: Record, base, use_chat: bool, system: str | None) -> dict:
+    """The settings that choose a line's tokens, as its result line records them: --resume
+    compares them, so that one file never holds answers drawn two ways."""
+    settings = line_settings(record, base)
+    p = settings.sampling
+    chat = record.messages is not None or use_chat
+    out = {"max_new_tokens": settings.max_new_tokens, "temperature": p.temperature, "top_k": p.top_k,
+           "top_p": p.top_p, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "seed": p.seed,
+           "stop": list(settings.stop), "chat": chat}
+    own_system = record.messages is not None and record.messages[0].get("role") == "system"
+    if system is not None and chat and not own_system:  # where --system reaches the prompt
+        out["system"] = system
+    if "response_format" in record.options:
+        out["response_format"] = record.options["response_format"]
+    return out
+
+
 def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str | None):
     """Settings and token ids for each record; a line that cannot be tokenized (its chat
     template fails, say) becomes a LineError like a malformed line."""
@@ -92,7 +110,7 @@ def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str |
         except TwiceError as e:
             errors.append(LineError(record.line, str(e)))
             continue
-        jobs.append(Job(record, settings, ids))
+        jobs.append(Job(record, settings, ids, settings_record(record, base, use_chat, system)))
     return jobs, errors
 
 
@@ -158,7 +176,7 @@ class Stats:
     batch_invariant: bool = True  # every finished row bit for bit its prompt alone (GenerationResult.batch_invariant)
 
 
-def result_line(record: Record, result) -> dict:
+def result_line(record: Record, result, settings: dict | None = None) -> dict:
     echo = {"prompt": record.prompt} if record.messages is None else {"messages": record.messages}
     return {
         "id": record.id,
@@ -168,6 +186,7 @@ def result_line(record: Record, result) -> dict:
         **({"error": result.error} if result.error is not None else {}),
         "prompt_tokens": result.prompt_tokens,
         "generated_tokens": result.generated_tokens,
+        **({"settings": settings} if settings else {}),
         "timings": {
             "ttft_s": result.ttft_seconds,
             "prefill_s": result.prefill_seconds,
@@ -221,7 +240,7 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
                     allocated = max(allocated, event.cache.bytes_allocated)
                     progress.tick(stats)
                 elif isinstance(event, Done):
-                    _record_done(jobs[event.row].record, event.result, writer, stats)
+                    _record_done(jobs[event.row], event.result, writer, stats)
                     finished.add(event.row)
                     progress.advance(stats)
                 elif isinstance(event, Notice):
@@ -256,8 +275,8 @@ def run_batches(engine, batches: list[list[Job]], writer: Writer, stats: Stats, 
     return size
 
 
-def _record_done(record: Record, result, writer: Writer, stats: Stats) -> None:
-    writer.write(result_line(record, result))
+def _record_done(job: Job, result, writer: Writer, stats: Stats) -> None:
+    writer.write(result_line(job.record, result, job.recorded))
     stats.done += 1
     stats.prompt_tokens += result.prompt_tokens
     stats.ttfts.append(result.ttft_seconds)
@@ -408,7 +427,7 @@ Exit status 0 when at least one prompt ran, 2 when none could.
 def batch(
     input: str = typer.Argument(..., help="A .txt file (one prompt per line), a .jsonl file, or '-' for standard input."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the JSON lines to FILE.jsonl (default: standard output). An existing file is never overwritten."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an earlier --output file: drop a torn last line, skip the ids already in it, append the rest."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an earlier --output file: drop a torn last line, skip the ids already in it, append the rest (the same input, model and settings; others are refused)."),
     strict: bool = typer.Option(False, "--strict", help="Any bad input line stops the run before any work (all bad lines listed)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help=BATCH_SIZE_HELP),
     input_format: Optional[str] = typer.Option(None, "--format", help="txt or jsonl. Default: from the extension; otherwise (and for '-') jsonl when the first non-blank line starts with '{'."),
@@ -617,6 +636,15 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         if (ignored := o.system_ignored(plan.system, chat, plan.use_chat, " for prompt lines (messages lines keep it)")):
             _say(f"note: {ignored}")
     base = _base_settings(loaded, *settings)
+    expected = {}  # what this run would record for the ids an earlier run answered
+    for record in records:
+        if any(record.key in earlier.settings for earlier, _ in resumed):
+            try:
+                expected[record.key] = settings_record(record, base, plan.use_chat, plan.system)
+            except TwiceError:
+                pass  # a line's own bad value: its line is an error line again
+    for earlier, shown in resumed:
+        check_settings(earlier, expected, shown)
     _run(loaded, plan, base)
     return merge
 

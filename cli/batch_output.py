@@ -39,6 +39,8 @@ class OutputState:
     echoes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     # model name -> the first line it wrote (result lines name their model; older ones do not)
     models: dict[str, int] = field(default_factory=dict)
+    # id -> (line number, the settings its result line records; older lines record none)
+    settings: dict[str, tuple[int, dict]] = field(default_factory=dict)
 
 
 def scan_output(data: bytes, name: str) -> OutputState:
@@ -61,6 +63,8 @@ def scan_output(data: bytes, name: str) -> OutputState:
             state.echoes[str(obj["id"])] = (number, echo)
         if isinstance(model := obj.get("model"), str):
             state.models.setdefault(model, number)
+        if isinstance(recorded := obj.get("settings"), dict):
+            state.settings[str(obj["id"])] = (number, recorded)
     torn = data[keep:]
     if torn:
         # Our writer ends each line in the same write(): a complete JSON value without
@@ -111,6 +115,22 @@ def check_model(state: OutputState, model: str, output: str) -> None:
             raise PromptError(f"{output}:{line}: its results are from the model {show(other)}, this run "
                               f"loads {show(model)}; --resume continues the run of the same model "
                               "(choose another --output file)")
+
+
+def check_settings(state: OutputState, expected: dict[str, dict], output: str) -> None:
+    """Refuse to continue an output whose results were drawn with other settings than this
+    run would use for the same lines (another temperature, seed, stop, chat mode, ...): the
+    file would mix two ways of answering with nothing but a field per line to tell them
+    apart. `expected`: id -> the settings this run records for that line."""
+    for key, (line, theirs) in state.settings.items():
+        mine = expected.get(key)
+        if mine is None:
+            continue
+        for name in sorted(set(theirs) | set(mine)):
+            if theirs.get(name) != mine.get(name):
+                raise PromptError(f"{output}:{line}: its result was generated with {name} {show(theirs.get(name))}, "
+                                  f"this run gives {show(mine.get(name))}; --resume continues a run with the same "
+                                  "settings (give the same options, or choose another --output file)")
 
 
 def _model_key(name: str) -> str | None:

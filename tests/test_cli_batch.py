@@ -29,7 +29,8 @@ PROMPTS = [
     "def f(x):",
     "Emoji: 😀 🚀 🎉 and symbols ∑ ∫ √ → ← and more text to make this one the longest prompt of all",
 ]
-FIELDS = {"id", "prompt", "completion", "finish_reason", "prompt_tokens", "generated_tokens", "timings", "model"}
+FIELDS = {"id", "prompt", "completion", "finish_reason", "prompt_tokens", "generated_tokens", "settings", "timings",
+          "model"}
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,8 @@ def test_resume_after_sigkill_and_torn_write(tmp_path, capsys, llama):
     assert 3 <= len(done) < n_prompts  # killed mid-file
     with open(dst, "ab") as f:
         f.write(b'{"id": "39", "completion": "torn mid-wr')  # a torn last write: no newline
-    r = batch([str(src), "--raw", "-n", "20", "--batch-size", "8", "-o", str(dst), "--resume"], capsys, llama)
+    # the killed run's settings (--resume refuses others), another batch size
+    r = batch([str(src), "--raw", "-n", "200", "--batch-size", "8", "-o", str(dst), "--resume"], capsys, llama)
     assert r.code == 0, r.err
     assert "dropped an incomplete last line" in r.err
     out = read_lines(dst)  # every line complete, valid JSON
@@ -350,6 +352,41 @@ def test_resume_refuses_an_output_another_model_wrote(tmp_path, capsys, llama, m
     r = batch([str(src), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, relative)
     assert r.code == 0, r.err
     assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
+
+
+def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, llama):
+    # Result lines record the settings that chose their tokens, after the line's own values;
+    # continuing with others would mix two ways of answering in one file.
+    src, dst = tmp_path / "a.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(src, [{"id": 1, "prompt": "Hello"}, {"id": 2, "prompt": "world", "temperature": 0.7, "seed": 3}])
+    assert batch([str(src), "-n", "2", "-o", str(dst), "--system", "Be brief."], capsys, llama).code == 0
+    lines = read_lines(dst)
+    assert lines[0]["settings"] == {"max_new_tokens": 2, "temperature": 0.0, "top_k": 40, "top_p": 0.95,
+                                    "min_p": 0.05, "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True,
+                                    "system": "Be brief."}
+    assert (lines[1]["settings"]["temperature"], lines[1]["settings"]["seed"]) == (0.7, 3)  # the line's own
+    dst.write_bytes(b"".join(dst.read_bytes().splitlines(keepends=True)[:1]))  # as if killed after one line
+    before = dst.read_bytes()
+    same = [str(src), "-n", "2", "-o", str(dst), "--system", "Be brief.", "--resume"]
+    for changed, words in ((["-n", "3"], "max_new_tokens 2, this run gives 3"),
+                           (["--top-k", "5"], "top_k 40, this run gives 5"),
+                           (["--stop", "x"], 'stop [], this run gives ["x"]'),
+                           (["--raw"], "chat true, this run gives false"),
+                           (["--system", "Be long."], 'system "Be brief.", this run gives "Be long."')):
+        r = batch([*same, *changed], capsys, llama)
+        last = r.err.strip().splitlines()[-1]
+        assert r.code == 2 and last.startswith(f"twice: error: {dst}:1: its result was generated with {words}"), r.err
+        assert dst.read_bytes() == before
+    # a line's own values changed since: refused too
+    write_jsonl(src, [{"id": 1, "prompt": "Hello", "max_new_tokens": 1}, {"id": 2, "prompt": "world"}])
+    assert batch(same, capsys, llama).code == 2 and dst.read_bytes() == before
+    write_jsonl(src, [{"id": 1, "prompt": "Hello"}, {"id": 2, "prompt": "world", "temperature": 0.7, "seed": 3}])
+    r = batch(same, capsys, llama)
+    assert r.code == 0, r.err
+    assert [o["id"] for o in read_lines(dst)] == [1, 2]
+    # an output whose lines record no settings (an older twice's) is continued as before
+    dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n')
+    assert batch([*same, "-n", "5"], capsys, llama).code == 0
 
 
 def test_batch_notes_that_raw_ignores_system(tmp_path, capsys, llama):
