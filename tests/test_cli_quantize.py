@@ -27,6 +27,23 @@ REL_RMS = {"f32": 0.0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.01, "q5_0": 0.05, "q
            "q4_1": 0.12}
 
 
+@pytest.fixture(scope="module")
+def model_dirs(model_dirs, tmp_path_factory, tokenizer):
+    """The shared tiny models, but mistral without its window (as Mistral 7B v0.2 on): a
+    window shorter than the context has no GGUF form (llama.cpp's llama has none)."""
+    root = tmp_path_factory.mktemp("quantizable")
+    built = {}
+
+    def get(family):
+        if family != "mistral":
+            return model_dirs(family)
+        if family not in built:
+            built[family] = tiny.make_model(root / family, family, tokenizer, sliding_window=None)
+        return built[family]
+
+    return get
+
+
 def _quantize(tmp_path, capsys, folder, kind, name=None, *extra):
     out = tmp_path / (name or f"{folder.name}-{kind}.gguf")
     r = run_inprocess(["quantize", str(folder), str(out), "--type", kind, *extra], capsys)
@@ -201,7 +218,42 @@ def test_llama3_rope_and_pre_tokenizers(tmp_path, capsys, model_dirs):
         assert _metadata(out)["tokenizer.ggml.pre"] == name
 
 
-@pytest.mark.parametrize("family, kind", [("llama", "f32"), ("llama", "q8_0"), ("mistral", "f32")])
+@pytest.mark.parametrize("family, changes", [
+    ("mistral", {}), ("mixtral", {}), ("qwen2_moe", {}), ("qwen2", {"use_sliding_window": True, "sliding_window": 12}),
+])
+def test_a_window_llama_cpp_cannot_hold_is_refused(tmp_path, capsys, tokenizer, family, changes):
+    # llama.cpp's llama / qwen2 have no sliding window: a file without it would be another
+    # model once a prompt outgrows the window. A window of the whole context never bites.
+    folder = tiny.make_model(tmp_path / family, family, tokenizer)
+    tiny.set_json(folder / "config.json", **changes)
+    out = tmp_path / "out.gguf"
+    line = one_error_line(run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys))
+    assert "with a sliding window of 12 tokens has no GGUF form" in line and "--quantize TYPE" in line, line
+    assert not out.exists()
+    tiny.set_json(folder / "config.json", sliding_window=256)  # = max_position_embeddings
+    assert run_inprocess(["quantize", str(folder), str(out), "--type", "f16"], capsys).code == 0
+
+
+def test_llama3_rope_settings_are_found_again_from_the_divisors():
+    # A GGUF keeps only rope_freqs' divisors; the reader finds settings that give them again
+    # (Llama 3.1's and 3.2's own; others as an equal set with low_freq_factor 1).
+    from twice.weights.gguf import _llama3_divisors, llama3_rope_from_divisors
+
+    for factor, low, high, original, theta, head_dim in ((8.0, 1, 4, 8192, 5e5, 128), (32.0, 1, 4, 8192, 5e5, 64),
+                                                         (8.0, 1, 4, 64, 5e5, 16), (4.0, 2, 8, 4096, 1e4, 64),
+                                                         (16.0, 1.5, 6, 32768, 1e6, 128)):
+        p = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+             "original_max_position_embeddings": original}
+        divisors = _llama3_divisors(p, theta, head_dim).astype(np.float32).astype(np.float64)
+        found = llama3_rope_from_divisors(divisors, theta, head_dim)
+        assert found is not None, p
+        np.testing.assert_allclose(_llama3_divisors(found, theta, head_dim), divisors, rtol=1e-4, atol=1e-6)
+        if (low, high, original) == (1, 4, 8192):
+            assert found == {"rope_type": "llama3", **p}
+    assert llama3_rope_from_divisors(np.array([1.0, 3.0, 1.0, 8.0]), 1e4, 8) is None  # no llama3 settings give these
+
+
+@pytest.mark.parametrize("family, kind", [("llama", "f32"), ("llama", "q8_0"), ("mistral", "f32"), ("llama3", "f32")])
 def test_convert_back_gives_the_same_model(tmp_path, capsys, model_dirs, tokenizer, kind, family):
     """`twice convert` of our output (the GGUF → folder path) is the same model: transformers'
     logits within float rounding (f32) or the quantization's error (q8_0), and the same tokens."""
@@ -226,7 +278,7 @@ def test_convert_back_gives_the_same_model(tmp_path, capsys, model_dirs, tokeniz
 
 
 @pytest.mark.parametrize("family, kind", [
-    ("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"),
+    ("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"), ("llama3", "f32"),
     pytest.param("qwen2", "q8_0", marks=pytest.mark.slow),  # builds the quantized-weight kernels (~40 s)
 ])
 def test_twice_runs_the_output_as_stored(tmp_path, capsys, model_dirs, tokenizer, family, kind):

@@ -365,19 +365,6 @@ def test_mixtral_file_as_stored_and_dequantized_equals_transformers(mixtral_file
     assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
 
 
-def test_mixtral_with_a_window_is_one_line(model_dirs, tmp_path, capsys):
-    """tiny mixtral keeps its window of 12: llama.cpp's llama architecture cannot hold it."""
-    from clirun import run_inprocess
-
-    folder = model_dirs("mixtral")
-    out = tmp_path / "out.gguf"
-    r = run_inprocess(["quantize", str(folder), str(out), "--type", "q8_0"], capsys)
-    assert r.code == 2, r
-    lines = [line for line in r.err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and "mixtral with sliding_window" in lines[0]
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
 def test_llama_cpp_loads_twice_mixtral(mixtral_files, kind):
@@ -507,18 +494,6 @@ def test_qwen2moe_file_as_stored_and_dequantized_equals_transformers(qwen2moe_fi
     torch.testing.assert_close(logits(stored, IDS), logits(floats, IDS), rtol=1e-5, atol=1e-5)
     ids = IDS[:, :7]
     assert greedy(stored, ids) == greedy(floats, ids) == hf_greedy(model, ids)
-
-
-def test_qwen2moe_without_a_gguf_form_is_one_line(model_dirs, tmp_path, capsys):
-    """tiny.py's qwen2_moe keeps its sliding layers: llama.cpp's qwen2moe cannot hold them."""
-    from clirun import run_inprocess
-
-    out = tmp_path / "out.gguf"
-    r = run_inprocess(["quantize", str(model_dirs("qwen2_moe")), str(out), "--type", "q8_0"], capsys)
-    assert r.code == 2, r
-    lines = [line for line in r.err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("twice: error: ") and "qwen2_moe with sliding-window" in lines[0]
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -459,9 +459,6 @@ def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
 
 # The Llama 3.1 / 3.2 RoPE settings. llama.cpp does not store them as metadata: it stores the
 # per-frequency divisors they produce (the rope_freqs tensor), so we recognise those.
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) -> dict | None:
     if rope_freqs is None:
         return None
@@ -472,13 +469,58 @@ def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) 
         raise WeightsError(f"{src}: rope_freqs.weight has {divisors.size} values, expected {head_dim // 2}")
     if np.allclose(divisors, 1.0):
         return None
-    candidate = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_ROPE}
-    if not np.allclose(divisors, _llama3_divisors(candidate, theta, head_dim), rtol=1e-4, atol=1e-6):
+    found = llama3_rope_from_divisors(divisors, theta, head_dim)
+    if found is None:
         raise UnsupportedModelError(
-            f"{src}: rope_freqs.weight holds RoPE frequency factors that match no supported scaling (llama3 with "
-            "low_freq_factor 1, high_freq_factor 4, original context 8192)"
+            f"{src}: rope_freqs.weight holds RoPE frequency factors that match no supported scaling (none of "
+            "llama3's settings gives them)"
         )
-    return candidate
+    return found
+
+
+def llama3_rope_from_divisors(divisors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """llama3 RoPE settings that give these per-frequency divisors, or None. A GGUF keeps
+    only the divisors, and settings that scale original context, low and high factors
+    together give the same ones: this answers with low_freq_factor 1 (as Llama 3.1 and
+    3.2 have), Llama 3.1's own settings first. Each candidate is checked by recomputing
+    the divisors, so an answer is never a guess."""
+    factor = float(divisors.max())
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    # the divisors strictly between 1 and the factor lie in the smoothed band, where
+    # 1 / divisor = (1 - s) / factor + s and s = (original / wavelen - low) / (high - low)
+    mid = ~np.isclose(divisors, 1.0, rtol=1e-6) & ~np.isclose(divisors, factor, rtol=1e-6)
+    smooth = (1 / divisors[mid] - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros(0)
+    candidates = []  # (original, low, high)
+    if mid.sum() >= 2:  # two points fix a = original / (high - low) and b = low / (high - low)
+        a, minus_b = np.polyfit(1 / wavelen[mid], smooth, 1)
+        b = -minus_b
+        if a > 0 and b > 0:
+            # any original then gives the same divisors: low 1 where that makes it whole, else 8192's
+            for original in dict.fromkeys((max(1, round(a / b)), 8192)):
+                candidates.append((original, original * b / a, original * (b + 1) / a))
+    # With low 1 and fewer smoothed points, the bands bound the original context: above the
+    # smoothed point (or the last undivided wavelength), below the first fully divided one.
+    kept = wavelen[np.isclose(divisors, 1.0, rtol=1e-6)]
+    divided = wavelen[np.isclose(divisors, factor, rtol=1e-6)]
+    floor = float(wavelen[mid].max()) if mid.any() else float(kept.max()) if kept.size else 1.0
+    ceiling = float(divided.min()) if divided.size else floor * 1e3
+    spread = [round(floor * (ceiling / floor) ** (k / 32)) for k in range(1, 32)] if ceiling > floor else []
+    for original in dict.fromkeys([8192, *(2**k for k in range(1, 25)), *spread]):
+        if mid.any():  # with low 1: high - 1 = (original / wavelen - 1) / s, at each smoothed point
+            gaps = (original / wavelen[mid] - 1) / smooth
+            if np.all(np.isfinite(gaps)) and np.all(gaps > 0):
+                candidates.append((original, 1.0, 1 + float(np.mean(gaps))))
+        else:  # high anywhere that keeps the undivided wavelengths below original / high
+            top = original / float(kept.max()) if kept.size else 8.0
+            if top > 1:
+                candidates.append((original, 1.0, min(4.0, (1 + top) / 2)))
+    for original, low, high in candidates:
+        candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{low:.6g}"),
+                     "high_freq_factor": float(f"{high:.6g}"), "original_max_position_embeddings": original}
+        if np.allclose(divisors, _llama3_divisors(candidate, theta, head_dim), rtol=1e-4, atol=1e-6):
+            return candidate
+    return None
 
 
 def _llama3_divisors(params: dict, theta: float, head_dim: int) -> np.ndarray:

@@ -15,8 +15,8 @@ and llama-quantize write:
   GPT-2's Conv1D matrices transposed; each in the type the mixture gives it (norms, biases
   and every 1-D tensor stay F32, as llama.cpp keeps them; so do position embeddings).
 
-Architectures: llama (also Mistral, written as llama: llama.cpp has no sliding window for
-it), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does),
+Architectures: llama (also Mistral and Mixtral, written as llama: llama.cpp has no sliding
+window for them, so a window shorter than the context is refused, as for qwen2/qwen3), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does),
 phi3 (fused attn_qkv and ffn_up = gate|up as in the checkpoint; partial rotary as
 rope.dimension_count, the window as attention.sliding_window (0: none), longrope as the
 rope_factors_long/short tensors with rope.scaling.original_context_length and attn_factor,
@@ -208,9 +208,14 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
     if config.model_type in _GEMMA:
         _check_gemma(config, folder)
         return
-    if config.model_type == "mixtral" and config.sliding_window is not None:
-        raise UnsupportedModelError(f"{folder}: mixtral with sliding_window has no GGUF form (llama.cpp holds mixtral "
-                                    "as its llama architecture, which has no window)")
+    if config.model_type != "phi3" and config.sliding_window is not None \
+            and config.sliding_window < config.max_position_embeddings:
+        # llama.cpp's llama (Mistral, Mixtral), qwen2, qwen3 and their MoE architectures have no
+        # window: the file would be another model once a prompt outgrows the window
+        raise UnsupportedModelError(f"{folder}: {config.model_type} with a sliding window of {config.sliding_window:,} "
+                                    f"tokens has no GGUF form (llama.cpp's {ARCHITECTURES.get(config.model_type, 'llama')} "
+                                    "architecture has no window); --quantize TYPE on generate, chat, batch or serve "
+                                    "quantizes it in memory and keeps the window")
     if config.model_type == "qwen3_moe":
         o = config.options
         if not o.renormalize:
@@ -219,8 +224,6 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
         if not all(o.sparse):
             raise UnsupportedModelError(f"{folder}: qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
                                         "has no GGUF form (llama.cpp's qwen3moe makes every layer sparse)")
-        if config.sliding_window is not None:
-            raise UnsupportedModelError(f"{folder}: qwen3_moe with sliding_window has no GGUF form")
     if config.model_type == "qwen2_moe":  # llama.cpp's qwen2moe (src/models/qwen2moe.cpp)
         o = config.options
         if o.renormalize:
@@ -229,9 +232,6 @@ def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
         if not all(o.sparse):
             raise UnsupportedModelError(f"{folder}: qwen2_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
                                         "has no GGUF form (llama.cpp's qwen2moe makes every layer sparse)")
-        if config.sliding_window is not None:
-            raise UnsupportedModelError(f"{folder}: qwen2_moe with sliding-window layers (use_sliding_window) has no "
-                                        "GGUF form")
         if not o.shared_intermediate:
             raise UnsupportedModelError(f"{folder}: qwen2_moe without a shared expert has no GGUF form (llama.cpp's "
                                         "qwen2moe needs one)")
@@ -704,9 +704,15 @@ def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
         return None
     if arch != "llama":
         raise UnsupportedModelError(f"llama3 RoPE scaling has no GGUF form for {arch}")
-    from .gguf import _llama3_divisors
+    from .gguf import _llama3_divisors, llama3_rope_from_divisors
 
     divisors = _llama3_divisors(rope, float(rope["rope_theta"]), config.head_dim).astype(np.float32)
+    if llama3_rope_from_divisors(divisors.astype(np.float64), float(rope["rope_theta"]), config.head_dim) is None:
+        raise UnsupportedModelError(  # a file that its own reader would refuse is not written
+            f"llama3 RoPE scaling (factor {rope['factor']:g}, low_freq_factor {rope['low_freq_factor']:g}, "
+            f"high_freq_factor {rope['high_freq_factor']:g}, original context "
+            f"{rope['original_max_position_embeddings']}) has no GGUF form that reads back: a GGUF keeps only "
+            "its frequency divisors, and these match no llama3 settings within float32's precision")
     values = torch.from_numpy(divisors)
     return TensorPlan("rope_freqs.weight", tuple(values.shape), "F32", lambda: values, source="rope_parameters")
 
