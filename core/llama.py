@@ -154,7 +154,10 @@ def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
                 first = f.int("max_window_layers", 28, lo=0)
                 given = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
             layer_types = given
-    return dict(qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=f.bool("mlp_bias", False), qk_norm=model_type == "qwen3",
+    # mlp_bias is LlamaConfig's alone: qwen2, qwen3 and mistral MLPs have no biases (transformers
+    # ignores the field in their configs)
+    mlp_bias = f.bool("mlp_bias", False) if model_type == "llama" else False
+    return dict(qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
                 sliding_window=window, layer_types=layer_types)
 
 

@@ -31,6 +31,7 @@ import pytest
 
 from blocking_hook import hook_env, wait_until_blocked
 from clirun import run_inprocess
+import tiny
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,17 @@ def test_a_gpt2_config_reads_its_own_names_only_where_transformers_does():
     assert (c.hidden_act, c.rms_norm_eps, c.intermediate_size) == (hf.activation_function, hf.layer_norm_epsilon, 4 * 64)
     both = config_from_dict({**raw, "hidden_size": 32})
     assert both.hidden_size == transformers.GPT2Config.from_dict({**raw, "hidden_size": 32}).n_embd == 32
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_mlp_bias_is_llamas_alone(family):
+    # transformers builds these MLPs without biases whatever the config says; a stray
+    # mlp_bias must not make twice look for bias tensors the checkpoint never had
+    from twice.core.config import config_from_dict
+
+    raw = tiny.hf_config(family).to_dict()
+    assert config_from_dict({**raw, "mlp_bias": True}).mlp_bias is False
+    assert config_from_dict({**tiny.hf_config("llama").to_dict(), "mlp_bias": True}).mlp_bias is True
 
 
 def test_400_digit_numbers_anywhere_in_a_json_file_are_one_line(llama, tmp_path, capsys):
