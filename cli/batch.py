@@ -412,9 +412,10 @@ replace the command-line values for that line; other keys are ignored. In a .txt
 each non-blank line is a prompt whose id is its line number.
 
 Each output line holds id, prompt (or messages), completion, finish_reason,
-prompt_tokens, generated_tokens and timings; a prompt the engine cannot serve gets a
-line with id, error and finish_reason "error" (as does one whose structured output's
-grammar fails part way: its completion kept, incomplete). Lines are written (and synced to disk) as
+prompt_tokens, generated_tokens, settings (what chose its tokens: --resume compares
+them), timings and model; a prompt the engine cannot serve gets a line with id, error
+and finish_reason "error" (as does one whose structured output's grammar fails part
+way: its completion kept, incomplete). Lines are written (and synced to disk) as
 prompts finish, so they come out in completion order: match them by id.
 
 Bad input lines (invalid JSON, missing or mistyped fields, a repeated id; ids compare
