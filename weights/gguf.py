@@ -457,8 +457,8 @@ def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
     return {"rope_type": "linear", "factor": float(factor)}
 
 
-# The Llama 3.1 / 3.2 RoPE settings. llama.cpp does not store them as metadata: it stores the
-# per-frequency divisors they produce (the rope_freqs tensor), so we recognise those.
+# llama3 RoPE settings are not metadata in a GGUF: llama.cpp stores the per-frequency
+# divisors they produce (the rope_freqs tensor), and we find settings that give them again.
 def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) -> dict | None:
     if rope_freqs is None:
         return None
