@@ -164,7 +164,7 @@ def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
 def parameter_count(c: ModelConfig) -> int:
     h = c.hidden_size
     attn = attention_parameters(h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qkv_bias, c.o_bias)
-    mlp = 3 * h * c.intermediate_size + ((c.intermediate_size + h) if c.mlp_bias else 0)
+    mlp = 3 * h * c.intermediate_size + ((2 * c.intermediate_size + h) if c.mlp_bias else 0)  # gate, up, down biases
     norms = 2 * h + (2 * c.head_dim if c.qk_norm else 0)
     head = 0 if c.tie_word_embeddings else c.vocab_size * h
     return c.num_hidden_layers * (attn + mlp + norms) + c.vocab_size * h + h + head

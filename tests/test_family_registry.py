@@ -36,6 +36,28 @@ def test_unknown_model_type_lists_the_registry():
     assert str(e.value).endswith("supported: " + ", ".join(sorted(FAMILIES)))
 
 
+@pytest.mark.parametrize("family, changes", [
+    *((f, {}) for f in ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2", "mixtral",
+                        "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")),
+    ("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}), ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"head_dim": 32}), ("qwen3", {"attention_bias": True}), ("olmo2", {"attention_bias": True}),
+    ("gpt2", {"n_inner": 32, "tie_word_embeddings": False}), ("gemma3", {"attention_bias": True}),
+    ("qwen2_moe", {"qkv_bias": False}), ("qwen3_moe", {"attention_bias": True}),
+])
+def test_parameter_count_is_transformers_for_every_variant(family, changes):
+    # the count --timing, info and the size checks use, against the model transformers builds
+    # from the same config (no checkpoint needed: from_config)
+    import tiny
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny.hf_config(family)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    assert config_from_dict(cfg.to_dict()).parameter_count() == sum(p.numel() for p in hf.parameters())
+
+
 def test_parameter_count_is_the_familys(model_dirs):
     for name in ("llama", "gpt2"):
         ours = load(str(model_dirs(name)), device="cpu", dtype="float32")
