@@ -81,10 +81,10 @@ def line_settings(record: Record, base):
     return dataclasses.replace(base, **changes) if changes else base
 
 
-def settings_record(record: Record, base, use_chat: bool, system: str | None) -> dict:
-    """The settings that choose a line's tokens, as its result line records them: --resume
-    compares them, so that one file never holds answers drawn two ways."""
-    settings = line_settings(record, base)
+def settings_record(record: Record, settings, use_chat: bool, system: str | None) -> dict:
+    """The settings that choose a line's tokens (`settings`: its line_settings), as its result
+    line records them: --resume compares them, so that one file never holds answers drawn
+    two ways."""
     p = settings.sampling
     chat = record.messages is not None or use_chat
     out = {"max_new_tokens": settings.max_new_tokens, "temperature": p.temperature, "top_k": p.top_k,
@@ -110,7 +110,7 @@ def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str |
         except TwiceError as e:
             errors.append(LineError(record.line, str(e)))
             continue
-        jobs.append(Job(record, settings, ids, settings_record(record, base, use_chat, system)))
+        jobs.append(Job(record, settings, ids, settings_record(record, settings, use_chat, system)))
     return jobs, errors
 
 
@@ -641,7 +641,8 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     for record in records:
         if any(record.key in earlier.settings for earlier, _ in resumed):
             try:
-                expected[record.key] = settings_record(record, base, plan.use_chat, plan.system)
+                expected[record.key] = settings_record(record, line_settings(record, base), plan.use_chat,
+                                                       plan.system)
             except TwiceError:
                 pass  # a line's own bad value: its line is an error line again
     for earlier, shown in resumed:

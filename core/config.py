@@ -228,11 +228,11 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     shadowed = set(fam.renamed.values())  # read only under the family's own names
     d.update({k: v for k, v in raw.items()
               if (v is not None or k in ("sliding_window", *fam.nullable)) and k not in shadowed})
-    for own, new in fam.renamed.items():
-        if raw.get(own) is not None:
-            d[new] = raw[own]
-            spelled[new] = own
     fam.complete(d)
+    for own, new in fam.renamed.items():  # after complete: gemma3's text_config is merged in by then
+        if d.get(own) is not None:
+            d[new] = d[own]
+            spelled[new] = own
     f = Fields(d, source, spelled=spelled)
 
     vocab_size = _positive_int(f, "vocab_size")

@@ -41,8 +41,8 @@ class Family:
     # transformers' attribute_map: where a config.json has both, the shared name wins.
     aliases: Mapping[str, str] = field(default_factory=dict)
     # Fields the family's transformers config names its own way and reads only so (GPT2Config
-    # reads activation_function, never hidden_act): the shared name in its config.json is
-    # ignored, as transformers ignores it.
+    # reads activation_function, never hidden_act; gemma hidden_activation): the shared name in
+    # its config.json is ignored, as transformers ignores it. Read after `complete`.
     renamed: Mapping[str, str] = field(default_factory=dict)
     # Fills defaults that depend on other fields, in the merged dict, before it is read
     # (GPT-2's intermediate size of 4 · hidden).

@@ -194,7 +194,7 @@ _LAYER_TYPES_KEY = "_gemma_rope_per_layer_type"
 
 def complete(d: dict) -> None:
     """Before config.py reads the shared fields: a gemma3 image-text config's text_config
-    merged in (over gemma3_text's defaults); `hidden_activation` as the shared `hidden_act`;
+    merged in (over gemma3_text's defaults);
     transformers 5's per-layer-type rope_parameters split: the full-attention entry is
     the model's rope (checked by config.py), the sliding one is read by `configure`."""
     if d.get("model_type") == "gemma3":
@@ -206,10 +206,6 @@ def complete(d: dict) -> None:
         merged.update(model_type="gemma3", text_config=text)
         d.clear()
         d.update(merged)
-    if isinstance(d.get("hidden_activation"), str):
-        d["hidden_act"] = d["hidden_activation"]  # gemma's name for it; a stray hidden_act is not read
-    else:
-        d["hidden_act"] = "gelu_pytorch_tanh"  # configure refuses a malformed hidden_activation
     rope = d.get("rope_parameters")
     if (d.get("model_type") in ("gemma3_text", "gemma3") and isinstance(rope, dict) and rope and set(rope) <= {"full_attention", "sliding_attention"}
             and all(v is None or isinstance(v, dict) for v in rope.values())):
@@ -224,7 +220,6 @@ def configure(model_type: str, f: Fields, d: dict, layers: int) -> dict:
         if text.get("model_type", "gemma3_text") != "gemma3_text":
             raise UnsupportedModelError(f"{source}: text_config.model_type {show(text.get('model_type'))} is not "
                                         "supported in a gemma3 checkpoint; expected gemma3_text")
-    f.str("hidden_activation", "gelu_pytorch_tanh")
     if f.bool("use_bidirectional_attention", False):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (twice generates "
                                     "causally)")
@@ -281,6 +276,7 @@ FAMILY = Family(
     defaults={"gemma2": GEMMA2_DEFAULTS, "gemma3_text": GEMMA3_TEXT_DEFAULTS,
               "gemma3": dict(tie_word_embeddings=True)},
     complete=complete,
+    renamed={"hidden_activation": "hidden_act"},  # gemma's name for it; a stray hidden_act is not read
     nullable=("attn_logit_softcapping", "final_logit_softcapping"),  # null: no cap, as transformers reads it
     hf_config={"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config"},
 )
