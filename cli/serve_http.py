@@ -388,7 +388,7 @@ class Parser:
         except TwiceError as e:
             message = _strip_source(str(e))
             field = message.split(" ", 1)[0]  # Fields' messages begin with the key they are about
-            missing = message == f"{field} is missing"  # OpenAI's code for a required field left out
+            missing = getattr(e, "missing_key", None) is not None  # OpenAI's code for a required field left out
             raise ApiError(400, message, code="missing_required_parameter" if missing else "invalid_value",
                            param=field if field.split(".", 1)[0] in allowed else None) from None
         return Job(request, settings, stream, include_usage, logprobs, presence, frequency)

@@ -149,7 +149,9 @@ class Fields:
         value = self.data.get(key, _MISSING)
         if value is _MISSING or value is None:
             if default is _MISSING:
-                raise self.error(f"{self.source}: {key} is missing")
+                error = self.error(f"{self.source}: {key} is missing")
+                error.missing_key = key  # a required field left out (serve answers missing_required_parameter)
+                raise error
             return default
         return value
 
