@@ -485,11 +485,11 @@ def llama3_rope_from_divisors(divisors: np.ndarray, theta: float, head_dim: int)
     3.2 have), Llama 3.1's own settings first. Each candidate is checked by recomputing
     the divisors, so an answer is never a guess."""
     factor = float(divisors.max())
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / freqs
+    wavelen = _wavelengths(theta, head_dim)
     # the divisors strictly between 1 and the factor lie in the smoothed band, where
     # 1 / divisor = (1 - s) / factor + s and s = (original / wavelen - low) / (high - low)
-    mid = ~np.isclose(divisors, 1.0, rtol=1e-6) & ~np.isclose(divisors, factor, rtol=1e-6)
+    undivided, divided = np.isclose(divisors, 1.0, rtol=1e-6), np.isclose(divisors, factor, rtol=1e-6)
+    mid = ~undivided & ~divided
     smooth = (1 / divisors[mid] - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros(0)
     candidates = []  # (original, low, high)
     if mid.sum() >= 2:  # two points fix a = original / (high - low) and b = low / (high - low)
@@ -501,8 +501,7 @@ def llama3_rope_from_divisors(divisors: np.ndarray, theta: float, head_dim: int)
                 candidates.append((original, original * b / a, original * (b + 1) / a))
     # With low 1 and fewer smoothed points, the bands bound the original context: above the
     # smoothed point (or the last undivided wavelength), below the first fully divided one.
-    kept = wavelen[np.isclose(divisors, 1.0, rtol=1e-6)]
-    divided = wavelen[np.isclose(divisors, factor, rtol=1e-6)]
+    kept, divided = wavelen[undivided], wavelen[divided]
     floor = float(wavelen[mid].max()) if mid.any() else float(kept.max()) if kept.size else 1.0
     ceiling = float(divided.min()) if divided.size else floor * 1e3
     spread = [round(floor * (ceiling / floor) ** (k / 32)) for k in range(1, 32)] if ceiling > floor else []
@@ -523,12 +522,16 @@ def llama3_rope_from_divisors(divisors: np.ndarray, theta: float, head_dim: int)
     return None
 
 
+def _wavelengths(theta: float, head_dim: int) -> np.ndarray:
+    """The wavelength of each RoPE frequency pair, 2π · theta^(2i / head_dim)."""
+    return 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
 def _llama3_divisors(params: dict, theta: float, head_dim: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for these llama3 settings."""
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     old_context = params["original_max_position_embeddings"]
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / freqs
+    wavelen = _wavelengths(theta, head_dim)
     smooth = (old_context / wavelen - low) / (high - low)
     mid = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, mid))
