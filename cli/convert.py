@@ -12,7 +12,9 @@ from .console import err_console
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="A .gguf file."),
+    model: str = typer.Argument(..., metavar="SRC", help="A .gguf file, or the name of a model twice ships "
+                                                         "(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct-q4_k_m, "
+                                                         "qwen2.5-coder-1.5b-instruct-q4_k_m)."),
     out_dir: Path = typer.Argument(..., help="Folder to create (config.json, model.safetensors, tokenizer files)."),
     dtype: str = typer.Option("float32", help="Tensor dtype to write: float32, bfloat16 or float16."),
     overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it exists (a model folder: it holds "
@@ -20,8 +22,12 @@ def convert(
 ):
     """Convert a GGUF file (dequantized) into a folder transformers and twice can load."""
     from twice.core.errors import ModelNotFoundError, WeightsError
+    from twice.core.paths import user_path
     from twice.weights.gguf import DestinationExists, convert_gguf
+    from twice.weights.resolve import named_gguf
 
+    # A name twice ships is read as --model reads it: before any path of that name.
+    src = named_gguf(model) or user_path(model)
     if src.is_dir():
         raise ModelNotFoundError(f"{src}: is a folder; twice convert reads a .gguf file (a model folder "
                                  "already is what it writes)")

