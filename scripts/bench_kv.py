@@ -2,6 +2,11 @@
 batch 1, and at 1024 tokens, batch 16, for each KV cache type (core/benchmark_kv.py; one prefill
 of 4096 random tokens serves both: the batch rows take its first 1024 columns).
 
+Each is also timed at --floor tokens (16), where attention costs next to nothing: that step is
+what a step pays besides reading the cache (the weights' products, norms, sampling), so no
+cache type can be faster than the first type by more than step(first, N) ÷ step(floor) — the
+ceiling printed under each table.
+
     .venv/bin/python scripts/bench_kv.py [--model M] [--dtype bfloat16] [--threads 1] [--json out.json]
 """
 
@@ -23,6 +28,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-dtype", action="append", default=None)
+    p.add_argument("--floor", type=int, default=16, help="a context where attention costs next to nothing")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -30,16 +36,25 @@ def main() -> None:
     say = lambda m: print(m, flush=True)  # noqa: E731
     one = bk.prefill(loaded.model, 4096 + 16, 4096, say)
     kinds = tuple(a.kv_dtype or ("auto", "q8_0", "q4_0"))
-    runs = {"batch 1 x 4096": bk.sweep(loaded.model, [4096], kinds, 1, 16, a.repeats, say, prefilled=one),
-            "batch 16 x 1024": bk.sweep(loaded.model, [1024], kinds, 16, 16, a.repeats, say, prefilled=one)}
+    runs = {"batch 1 x 4096": bk.sweep(loaded.model, [a.floor, 4096], kinds, 1, 16, a.repeats, say, prefilled=one),
+            "batch 16 x 1024": bk.sweep(loaded.model, [a.floor, 1024], kinds, 16, 16, a.repeats, say, prefilled=one)}
+    report = {}
     for name, points in runs.items():
+        top = max(x.context for x in points)
+        at_top = [x for x in points if x.context == top]
+        floor_s = min(x.step_s for x in points if x.context == a.floor)
+        ceiling = at_top[0].step_s / floor_s
         print(f"\n{loaded.name} {a.dtype}, {a.threads} thread(s): {name}")
-        for x in points:
+        for x in at_top:
             print(f"  {x.kv_dtype:9s} KV {x.kv_bytes / 2**20:7.1f} MiB  {x.decode_tokens_per_s:8.1f} tok/s  "
                   f"step {x.step_s * 1000:7.2f} ms  KV share {100 * x.kv_share:3.0f}%  {x.speedup:.2f}x  {x.path}")
+        print(f"  ceiling: a step at {a.floor} tokens takes {floor_s * 1000:.2f} ms (fastest type), so no cache type "
+              f"can beat {at_top[0].kv_dtype} here by more than {ceiling:.2f}x")
+        report[name] = {"points": [x.to_dict() for x in points], "floor_context": a.floor, "floor_step_s": floor_s,
+                        "ceiling": ceiling}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({k: [x.to_dict() for x in v] for k, v in runs.items()}, f, indent=1)
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
