@@ -168,6 +168,12 @@ def _wrong_shapes(p: Path) -> None:  # a consistent file of other shapes, with t
     p.write_bytes(pcf.encode({"k": t, "v": t}, list(range(25)), meta))
 
 
+def _tables_swapped(p: Path) -> None:  # k's and v's byte ranges swapped in the header, the data as written
+    def change(h):
+        h["k"]["data_offsets"], h["v"]["data_offsets"] = h["v"]["data_offsets"], h["k"]["data_offsets"]
+    _rewrite_header(p, change)
+
+
 def _tokens_lie(p: Path) -> None:
     def change(h):
         h["__metadata__"]["tokens"] = "24"
@@ -190,6 +196,10 @@ BAD = [
     ("flipped byte", _flip_last_byte, "does not match its checksum"),
     ("truncated", lambda p: p.write_bytes(p.read_bytes()[:-1000]), "truncated"),
     ("header lies", _shape_lies, "corrupt prompt-cache entry for tensor 'k'"),
+    # the checksum covers the data alone: a table pointing k at v's bytes was loaded, and the
+    # model attended to values as keys (garbage text, exit 0)
+    ("tables swapped", _tables_swapped, "tensor 'k' lies at bytes [6400, 12800] of the data, where twice writes "
+                                         "it at [0, 6400] (the header was changed)"),
     ("token count lies", _tokens_lie, "its metadata says 24 tokens, token_ids holds 25"),
     ("wrong shapes", _wrong_shapes, "tensor 'k' is F32 [2, 3, 25, 16], this model's cache needs F32 [2, 2, 25, 16]"),
     ("version 1", _version_1, 'prompt-cache version "1", this twice reads "2"'),

@@ -10,8 +10,9 @@ token count, and "checksum": the SHA-256 of the data section (every byte after t
 Written whole or not at all (safe_write.write_atomic: beside, fsync, rename; never through
 a link). Read through the same checks as a checkpoint's header (checkpoint._read_header:
 entries, dtypes, offsets that tile the file), then, before any tensor is allocated, the
-metadata (format, version, fingerprint, dtype, kv-dtype) and every tensor's name, dtype
-and shape against what this model's cache stores, the token count against the context;
+metadata (format, version, fingerprint, dtype, kv-dtype) and every tensor's name, dtype,
+shape and byte range against what this model's cache stores (the table is exactly what
+`encode` writes), the token count against the context;
 then the data is read once, its checksum compared, and the tensors made from it.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -128,6 +130,17 @@ def read(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dty
         if got["dtype"] != _ST_DTYPES.get(dtype) or got["shape"] != want:
             raise PromptCacheError(f"{path}: tensor {name!r} is {got['dtype']} {got['shape']}, this model's cache "
                                    f"needs {_ST_DTYPES.get(dtype)} {want}")
+    # The table is the one encode() writes: the tensors in name order, then token_ids, end to
+    # end. The checksum covers the data alone, so a table whose ranges were swapped (k read
+    # from v's bytes) would pass it.
+    at = 0
+    for name in (*sorted(layout), TOKEN_IDS):
+        entry = header[name]
+        end = at + _elem(entry) * math.prod(entry["shape"])
+        if entry["data_offsets"] != [at, end]:
+            raise PromptCacheError(f"{path}: tensor {name!r} lies at bytes {entry['data_offsets']} of the data, where "
+                                   f"twice writes it at {[at, end]} (the header was changed)")
+        at = end
     # Every size is now the one this model's cache has: reading the data allocates no more.
     from .files import open_regular
 
