@@ -45,6 +45,20 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
                         "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
                         "prediction", "reasoning_effort", "web_search_options"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+# A message's fields (OpenAI's; name, refusal and an empty tool_calls / audio are accepted
+# without effect) and a content part's.
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+PART_FIELDS = {"type", "text"}
+
+
+def _only(obj: dict, fields: set[str], where: str | None = None, param: str | None = None) -> None:
+    """A 400 unknown_field for a key of `obj` (the body; `where` names a nested object: a
+    message, a content part, stream_options) outside `fields`: a typo never passes silently."""
+    unknown = sorted(k for k in obj if k not in fields)
+    if unknown:
+        name = json.dumps(unknown[0])[:80]
+        raise ApiError(400, f"unknown field {name}{f' in {where}' if where else ''} (it takes: "
+                            f"{', '.join(sorted(fields))})", code="unknown_field", param=param or unknown[0][:80])
 
 
 class ApiError(Exception):
@@ -309,10 +323,7 @@ class Parser:
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
         allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-        unknown = sorted(k for k in body if k not in allowed)
-        if unknown:
-            raise ApiError(400, f"unknown field {json.dumps(unknown[0])[:80]} (this endpoint takes: "
-                                f"{', '.join(sorted(allowed))})", code="unknown_field", param=unknown[0][:80])
+        _only(body, allowed)
         f = Fields(body, "request", PromptError)
         try:
             model = f.str("model", None, max_len=1024)
@@ -369,10 +380,7 @@ class Parser:
                 raise ApiError(400, "stream_options is only allowed with \"stream\": true", param="stream_options",
                                code="invalid_value")
             options = Fields(f.dict("stream_options", {}), "request: stream_options", PromptError)
-            extra = sorted(set(options.data) - {"include_usage", "continuous_usage_stats"})
-            if extra:
-                raise ApiError(400, f"unknown field stream_options.{extra[0][:80]}", param="stream_options",
-                               code="unknown_field")
+            _only(options.data, {"include_usage", "continuous_usage_stats"}, "stream_options", "stream_options")
             include_usage = options.bool("include_usage", False)
             logprobs = self._logprobs(f, chat)
             presence = f.float("presence_penalty", 0.0, lo=-2, hi=2)
@@ -387,7 +395,8 @@ class Parser:
             raise
         except TwiceError as e:
             message = _strip_source(str(e))
-            field = message.split(" ", 1)[0]  # Fields' messages begin with the key they are about
+            # Fields' messages begin with the key they are about ("stream_options: include_usage ...")
+            field = message.split(" ", 1)[0].rstrip(":")
             missing = getattr(e, "missing_key", None) is not None  # OpenAI's code for a required field left out
             raise ApiError(400, message, code="missing_required_parameter" if missing else "invalid_value",
                            param=field if field.split(".", 1)[0] in allowed else None) from None
@@ -405,6 +414,11 @@ class Parser:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise ApiError(400, f"messages[{i}] must be an object, got {_kind(m)}", param="messages")
+            _only(m, MESSAGE_FIELDS, f"messages[{i}]", "messages")
+            for key in ("tool_calls", "function_call", "audio"):
+                if m.get(key):
+                    raise ApiError(400, f"messages[{i}].{key} is not supported (no tool calling or audio)",
+                                   param="messages", code="unsupported")
             role = m.get("role")
             if role not in ROLES:
                 raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
@@ -412,10 +426,11 @@ class Parser:
             content = m.get("content")
             if isinstance(content, list):
                 parts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                         raise ApiError(400, f"messages[{i}].content: only text parts are supported",
                                        param="messages", code="unsupported")
+                    _only(part, PART_FIELDS, f"messages[{i}].content[{j}]", "messages")
                     parts.append(part["text"])
                 content = "".join(parts)
             if content is None and role == "assistant":
@@ -460,7 +475,8 @@ class Parser:
         if chat:
             if not f.bool("logprobs", False):
                 if f.data.get("top_logprobs") is not None:
-                    raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+                    raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                                   code="invalid_value")
                 return None
             return f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
         return f.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)

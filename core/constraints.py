@@ -122,6 +122,18 @@ def grammar_kind(text: str, filename: str = "") -> str:
     return "gbnf" if "::=" in text else "lark"
 
 
+# The fields of each form of spec_from_dict's dict (OpenAI's response_format and ours).
+_SPEC_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
+                "regex": {"type", "regex", "pattern"}, "grammar": {"type", "grammar", "syntax"},
+                "lark": {"type", "grammar", "syntax"}, "gbnf": {"type", "grammar", "syntax"}}
+
+
+def _only(d: dict, fields: set[str], where: str) -> None:
+    unknown = sorted(k for k in d if k not in fields)
+    if unknown:
+        raise ConstraintError(f"{where}: unknown field {show(unknown[0])[:80]} (it takes {', '.join(sorted(fields))})")
+
+
 def spec_from_dict(d: dict, where: str = "constraint") -> ConstraintSpec | None:
     """A spec from its dict form: {"type": "json_schema", "json_schema": SCHEMA} (or OpenAI's
     {"name", "schema", "strict"} object in its place), {"type": "json_object"},
@@ -131,6 +143,8 @@ def spec_from_dict(d: dict, where: str = "constraint") -> ConstraintSpec | None:
     if not isinstance(d, dict):
         raise ConstraintError(f"{where} must be an object, got {_kind(d)}")
     kind = d.get("type")
+    if kind in _SPEC_FIELDS:  # a typo never passes silently
+        _only(d, _SPEC_FIELDS[kind], where)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -138,6 +152,7 @@ def spec_from_dict(d: dict, where: str = "constraint") -> ConstraintSpec | None:
     if kind == "json_schema":
         body = d.get("json_schema")
         if isinstance(body, dict) and isinstance(body.get("schema"), (dict, bool)):
+            _only(body, {"name", "description", "schema", "strict"}, f"{where}.json_schema")
             body = body["schema"]  # OpenAI's {"name": ..., "schema": {...}, "strict": true}
         elif isinstance(body, dict) and "name" in body and "schema" not in body and "type" not in body:
             raise ConstraintError(f"{where}.json_schema.schema is missing (the JSON schema itself)")

@@ -258,6 +258,32 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     _error(_post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
            400, None, ["role"])
     _error(_post(server, "/v1/chat/completions", {"model": model, "messages": "hi"}), 400, "invalid_value")
+    # unknown fields inside a message, a content part, response_format's json_schema (they passed silently)
+    chat = {"model": model, "max_tokens": 2}
+    e = _error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi", "foo": 1}]}),
+               400, "unknown_field", ['unknown field "foo" in messages[0]'])
+    assert e["param"] == "messages"
+    _error(_post(server, "/v1/chat/completions",
+                 {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "txet": 1}]}]}),
+           400, "unknown_field", ['"txet" in messages[0].content[0]'])
+    _error(_post(server, "/v1/chat/completions",
+                 {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]},
+                                       {"role": "user", "content": "hi"}]}), 400, "unsupported", ["tool_calls"])
+    e = _error(_post(server, "/v1/chat/completions",
+                     {**chat, "messages": [{"role": "user", "content": "hi", "name": "ann"}],
+                      "response_format": {"type": "json_schema",
+                                          "json_schema": {"name": "x", "schema": {"type": "object"}, "stict": True}}}),
+               400, None, ['unknown field "stict"', "json_schema"])
+    assert e["param"] == "response_format"
+    _error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
+                                                  "response_format": {"type": "json_object", "schema": {}}}),
+           400, None, ['unknown field "schema"'])
+    e = _error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
+                                                      "top_logprobs": 2}), 400, "invalid_value", ["logprobs"])
+    assert e["param"] == "top_logprobs"
+    e = _error(_post(server, "/v1/completions", {**ok, "stream": True, "stream_options": {"include_usage": "yes"}}),
+               400, "invalid_value", ["include_usage"])
+    assert e["param"] == "stream_options"
     e = _error(_post(server, "/v1/chat/completions", {"model": model}), 400, "missing_required_parameter",
                ["messages is missing"])
     assert e["param"] == "messages"  # named though the body has no such key
