@@ -317,9 +317,10 @@ def test_misaligned_overlapping_and_gapped_tensors_are_refused(small_gguf):
     original = small_gguf.read_bytes()
     cases = [
         (1, +4, "is not aligned to 32 bytes"),
-        (2, None, "overlaps the tensor before it"),  # starts where tensor 1 starts
-        (-1, +64, "leaves 64 unused bytes after the tensor before it"),
-        (3, 2**63, "leaves 9,223,372,036,854,775,808 unused bytes"),  # far outside the file
+        (2, None, "inside tensor"),  # starts where tensor 1 starts
+        (1, +64, "64 bytes after tensor"),  # a gap (and an overlap with the next)
+        (-1, +64, "but the file has"),
+        (3, 2**63, "ends at byte 9,223,372,036,854,7"),  # far outside the file
     ]
     for index, change, words in cases:
         small_gguf.write_bytes(original)
@@ -327,6 +328,28 @@ def test_misaligned_overlapping_and_gapped_tensors_are_refused(small_gguf):
             offset = r.tensors[index].field.parts[5]
             offset[0] = r.tensors[1].field.parts[5][0] if change is None else (int(offset[0]) + change) % 2**64
         refused(small_gguf, WeightsError, "truncated or corrupt GGUF file", words)
+
+
+def test_tensors_laid_out_in_another_order_than_the_table_read_as_gguf_reads_them(small_gguf, tmp_path):
+    """The format asks only for aligned offsets: a file whose tensor data lies in another
+    order than its table (two tensors' bytes and offsets swapped) is the same model. It was
+    refused as corrupt; a size that lies still shows as a gap or an overlap."""
+    import gguf
+
+    original = read_gguf(small_gguf)
+    a, b = [t for t in original.tensors if t.n_bytes == original.tensors[1].n_bytes][:2]
+    want = {t.name: np.array(t.data) for t in original.tensors}  # copies: the file is rewritten below
+    data = bytearray(small_gguf.read_bytes())
+    bytes_a = data[a.data_offset:a.data_offset + a.n_bytes]
+    data[a.data_offset:a.data_offset + a.n_bytes] = data[b.data_offset:b.data_offset + b.n_bytes]
+    data[b.data_offset:b.data_offset + b.n_bytes] = bytes_a
+    small_gguf.write_bytes(bytes(data))
+    with patching(small_gguf) as r:
+        fields = {t.name: t.field.parts[5] for t in r.tensors}
+        fields[a.name][0], fields[b.name][0] = int(fields[b.name][0]), int(fields[a.name][0])
+    ours, theirs = read_gguf(small_gguf), gguf.GGUFReader(small_gguf)
+    for t, g in zip(ours.tensors, theirs.tensors, strict=True):
+        assert np.array_equal(t.data, g.data) and np.array_equal(np.asarray(t.data), want[t.name]), t.name
 
 
 def test_tensors_outside_the_file_are_refused(small_gguf):

@@ -281,23 +281,32 @@ def _parse(src: Path, buffer, size: int) -> GGUFFile:
         entries.append((name, qtype, dims, n_elements, n_elements // block * type_size, offset))
 
     data_start = -(-r.pos // alignment) * alignment
-    tensors = []
-    expected = 0
     for name, qtype, dims, n_elements, n_bytes, offset in entries:
-        if offset != expected:
-            if offset % alignment:
-                problem = f"is not aligned to {alignment} bytes"
-            elif offset < expected:
-                problem = "overlaps the tensor before it"
-            else:
-                problem = f"leaves {offset - expected:,} unused bytes after the tensor before it"
-            raise _Corrupt(f"tensor {name} starts at byte {offset:,} of the data section and {problem} "
-                           f"(expected {expected:,})")
+        if offset % alignment:
+            raise _Corrupt(f"tensor {name} starts at byte {offset:,} of the data section, which is not aligned to "
+                           f"{alignment} bytes")
         end = data_start + offset + n_bytes
         if end > size:
             raise _Corrupt(f"tensor {name} ends at byte {end:,} but the file has {size:,}")
+    # The tensors' bytes, in the order they lie in the file (a writer may lay them out in
+    # another order than its table's), must follow one another with only the alignment's
+    # padding between them: a type or shape that lies about a tensor's size shows as a gap
+    # or an overlap beside it.
+    expected, before = 0, None
+    for name, qtype, dims, n_elements, n_bytes, offset in sorted(entries, key=lambda e: e[5]):
+        if offset != expected:
+            if before is None:
+                problem = "leaving the section's first bytes unused"
+            else:
+                other = f"tensor {before[0]} ({before[1]}, {list(before[2])})"
+                problem = (f"{offset - expected:,} bytes after {other} ends" if offset > expected
+                           else f"inside {other}, which ends") + f" at byte {expected:,} by its type and shape"
+            raise _Corrupt(f"tensor {name} starts at byte {offset:,} of the data section, {problem} (a tensor's "
+                           "type or shape is wrong)")
         expected += -(-n_bytes // alignment) * alignment
-        tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, data_start + offset, buffer, order))
+        before = (name, qtype.name, dims)
+    tensors = [GGUFTensor(name, qtype, dims, n_elements, n_bytes, data_start + offset, buffer, order)
+               for name, qtype, dims, n_elements, n_bytes, offset in entries]
     return GGUFFile(src, version, metadata, tensors, alignment, data_start)
 
 
