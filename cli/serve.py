@@ -65,10 +65,12 @@ def serve(
                                                     "others' next token).")] = 512,
     threads: o.Threads = None,
     compile: o.Compile = False,
+    kv_dtype: o.KvDtype = "auto",
 ):
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions)."""
     o.check_flags(max_new_tokens, prefill_chunk, temperature, top_k, top_p, min_p, repetition_penalty, seed,
                   None, threads)
+    o.check_kv_dtype(kv_dtype)
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {port}")
     if max_batch < 1 or max_batch > 1024:
@@ -84,7 +86,7 @@ def serve(
     o.apply_threads(threads)
     try:
         _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model_name, not no_prefix_cache,
-               model, revision, device, dtype, weights, compile, prefill_chunk,
+               model, revision, device, dtype, weights, compile, prefill_chunk, kv_dtype,
                (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed))
     finally:
         sock.close()
@@ -114,7 +116,7 @@ def _say(message: str) -> None:
 
 
 def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model_name, prefix_reuse, model,
-           revision, device, dtype, weights, compile, prefill_chunk, sampling_flags) -> None:
+           revision, device, dtype, weights, compile, prefill_chunk, kv_dtype, sampling_flags) -> None:
     import uvicorn
 
     from twice.core.engine import Engine, GenerationSettings
@@ -127,7 +129,7 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
 
     def build():  # on the worker's thread (Worker.start: one OpenMP pool for loading and stepping)
         built["loaded"] = loaded = load(model, revision, device, dtype, weights=weights)
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, compile=compile, kv_dtype=kv_dtype)
         scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)
         o.settle_loaded()
         return scheduler
@@ -170,7 +172,8 @@ def _serve(sock, host, api_key, max_batch, max_queue, drain_seconds, cors, model
             async def startup(self, sockets=None):
                 await super().startup(sockets)
                 if self.started:
-                    _say(f"listening on http://{shown}:{bound[1]} (model {name}, {engine.decode_path} step, "
+                    cache = f", {engine.kv_dtype} KV cache" if engine.kv_dtype else ""
+                    _say(f"listening on http://{shown}:{bound[1]} (model {name}, {engine.decode_path} step{cache}, "
                          f"at most {max_batch} requests together)")
 
         Server(config).run(sockets=[sock])

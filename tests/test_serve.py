@@ -341,6 +341,35 @@ def test_api_key_queue_limit_and_cors(model, tmp_path_factory):
     assert s.proc.returncode == 0
 
 
+def test_a_q8_0_cache_serves_generates_text_and_the_metrics_count_the_traffic(model_dirs, tmp_path_factory, capsys):
+    """--kv-dtype on serve (generate's option; serve had none): the greedy text of
+    `twice generate --kv-dtype q8_0`, the startup line names the cache, and /metrics carries
+    the issue's series with the request counted: TTFT and inter-token histograms, prefill and
+    decode rates, KV bytes (a q8_0 cache's: 34 bytes per 32 values)."""
+    folder = str(model_dirs("llama-hd64"))  # head size 64: whole blocks of 32
+    s = Server(["-m", folder, "--dtype", "float32", "--kv-dtype", "q8_0", "--threads", "1", "--max-batch", "2"],
+               _env(tmp_path_factory))
+    try:
+        assert "q8_0 KV cache" in "".join(s.lines)
+        body = {"model": folder, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        r = _post(s, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        want = _generate(["--raw", "Once upon a time", "-n", "8", "--kv-dtype", "q8_0"], capsys, folder)
+        assert r.json()["choices"][0]["text"] == want
+        n = r.json()["usage"]["completion_tokens"]
+        assert n >= 2, r.json()  # at least one gap between tokens to time
+        m = s.metrics()
+        assert m["twice_time_to_first_token_seconds_count"] == 1
+        assert m["twice_inter_token_seconds_count"] == n - 1
+        assert m["twice_prefill_tokens_per_second"] > 0 and m["twice_decode_tokens_per_second"] > 0
+        assert m["twice_kv_cache_bytes_used"] == 0  # nothing running
+        # 2 layers × K and V × 1 kv head × 2 blocks of 34 bytes per token, over the rows and columns held
+        assert m["twice_kv_cache_bytes_allocated"] > 0 and m["twice_kv_cache_bytes_allocated"] % (2 * 2 * 68) == 0
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
+
+
 def test_response_format_json_schema_output_parses(server, model):
     """Structured output through the scheduler (core/constraints.py's matcher per row)."""
     pytest.importorskip("llguidance")
