@@ -104,6 +104,25 @@ def test_batched_results_equal_each_prompt_alone(tmp_path, capsys, llama, engine
     assert table["refills"] == "0" and table["rows per batch"].startswith(f"{size} most")
 
 
+def test_a_finished_row_is_refilled_from_the_input_and_every_result_is_its_prompts_alone(tmp_path, capsys, llama,
+                                                                                         engine):
+    """Mixed lengths (a line's own max_new_tokens): as a short row finishes, the next prompt takes
+    its place in the running batch (--timing counts the refills), and every row still gets the
+    tokens its prompt gets alone."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lengths = [2, 14, 3, 12, 2, 10]
+    write_jsonl(src, [{"id": i, "prompt": PROMPTS[i], "max_new_tokens": n} for i, n in enumerate(lengths)])
+    r = batch([str(src), "--raw", "--batch-size", "2", "-o", str(dst), "--timing"], capsys, llama)
+    assert r.code == 0, r.err
+    out = {o["id"]: o for o in read_lines(dst)}
+    for i, n in enumerate(lengths):
+        want = alone(engine, PROMPTS[i], n)
+        assert (out[i]["completion"], out[i]["generated_tokens"]) == (want.text, want.generated_tokens), i
+    table = {cells[0]: cells[1] for line in r.err.splitlines()
+             if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) >= 2 and cells[0]}
+    assert table["batches"] == "1" and int(table["refills"]) >= 2, table  # one run, rows joining it
+
+
 def test_per_line_options_are_honoured(tmp_path, capsys, llama, engine):
     prompt = PROMPTS[1]
     greedy = alone(engine, prompt, 16).text

@@ -116,6 +116,35 @@ def test_completions_greedy_text_equals_twice_generate(server, model, capsys):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
 
 
+def test_presence_and_frequency_penalties_are_openais_rule(server, model, engine):
+    """Greedy with presence_penalty p and frequency_penalty f: each token is the argmax of the
+    model's logits less f · (times the token was generated so far) + p · (generated at all),
+    OpenAI's rule over the completion's own tokens, computed here from full forward passes."""
+    import torch
+
+    from twice.core.cache import KVCache
+
+    prompt = engine.tokenizer.encode("the the the the", add_special_tokens=False)  # plain greedy repeats itself
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "frequency_penalty": 1.5,
+            "presence_penalty": 0.5}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    ids, counts = list(prompt), torch.zeros(engine.config.vocab_size)
+    with torch.inference_mode():
+        for _ in range(12):
+            fresh = KVCache(engine.config, 1, 64, torch.float32, "cpu")  # a full forward pass each token
+            logits = engine.model(torch.tensor([ids]), fresh).float()[0]
+            token = int(torch.argmax(logits - 1.5 * counts - 0.5 * (counts > 0)))
+            if token in engine.eos:
+                break
+            ids.append(token)
+            counts[token] += 1
+    want = engine.tokenizer.decode(ids[len(prompt):])
+    assert r.json()["choices"][0]["text"] == want
+    plain = _post(server, "/v1/completions", {**body, "frequency_penalty": 0, "presence_penalty": 0})
+    assert plain.json()["choices"][0]["text"] != want  # the penalties changed this completion
+
+
 def test_chat_streaming_and_not_equal_twice_generate(server, model, capsys):
     want = _generate(["Tell me a story", "-n", "10"], capsys, model)
     client = server.client()
@@ -445,6 +474,19 @@ def test_a_shared_system_prompt_is_prefilled_once(server, model):
 def test_cors_is_off_by_default(server):
     r = httpx.get(server.url + "/health", headers={"origin": "https://app.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_another_address_without_a_key_is_warned_about(model, tmp_path_factory):
+    """--host other than 127.0.0.1/localhost/::1 without --api-key: one note that anyone who can
+    reach the address can use the model (127.0.0.2: still this machine's loopback)."""
+    s = Server(["-m", model, "--dtype", "float32", "--host", "127.0.0.2", "--threads", "1"], _env(tmp_path_factory))
+    try:
+        notes = [line for line in s.lines if "without an API key" in line]
+        assert len(notes) == 1 and "127.0.0.2" in notes[0] and "--api-key" in notes[0], s.lines
+        assert s.url.startswith("http://127.0.0.2:")
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
 
 
 def test_bad_flags_fail_in_one_line(capsys, model):
