@@ -367,10 +367,11 @@ def test_perplexity_with_a_q8_0_cache(capsys, kv_models, tmp_path):
 
 
 def test_bench_kv_sweeps_context_by_kv_dtype(capsys, kv_models, tmp_path):
-    folder, out = str(kv_models("llama-hd64")), tmp_path / "kv.json"
+    folder, out, plot = str(kv_models("llama-hd64")), tmp_path / "kv.json", tmp_path / "kv.png"
     r = run_inprocess(["bench", "-m", folder, "--kv", "--quick", "--repeats", "1", "--threads", "1",
-                       "--json", str(out)], capsys)
+                       "--json", str(out), "--plot", str(plot)], capsys)
     assert r.code == 0, r.err
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000  # the bytes and tok/s figure
     points = json.loads(out.read_text())["kv"]
     assert [(p["kv_dtype"], p["context"]) for p in points] == [
         (kv, n) for kv in ("float32", "q8_0", "q4_0") for n in (64, 128)]
