@@ -91,6 +91,10 @@ def bench(
         loaded = load(model, None, device, dtype, progress=say, weights=weights)
         net, tokenizer, name, why = loaded.model, loaded.tokenizer, loaded.name, loaded.dtype_reason
     setup = b.describe_setup(net) | {"model": name, "dtype_reason": why}
+    from twice.core.cache import kv_format
+
+    for kind in kv_dtype or ():  # a head size a block type cannot hold: one line before measuring, as generate's
+        kv_format(kind, None, net.config.head_dim)
     if kv:
         from .bench_kv import run_kv
 

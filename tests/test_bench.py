@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 
 RUN_FIELDS = {"workload", "engine", "prompt_tokens", "new_tokens", "batch", "ttft_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "step_p50_s", "step_p99_s", "peak_memory_bytes", "weight_bytes",
@@ -96,6 +96,13 @@ def test_bench_kv_default_sweep_skips_what_the_head_size_cannot_hold(capsys):
     r = run_inprocess(["bench", "--shape", "tiny", "--kv", "--kv-context", "16", "--quick", "--repeats", "1"], capsys)
     assert r.code == 0, r.err  # tiny's head size is 16: its own defaults (q8_0, q4_0) were refused
     assert "skip --kv-dtype q8_0: it needs a head size that is a multiple of 32" in r.err
+    # named by the user, it is refused in one line before anything is measured, as generate refuses it
+    for args in (["--kv", "--kv-context", "16"], []):
+        r = run_inprocess(["bench", "--shape", "tiny", *args, "--kv-dtype", "q4_0", "--quick", "--repeats", "1"],
+                          capsys)
+        assert one_error_line(r) == ("twice: error: --kv-dtype q4_0 needs a head size that is a multiple of 32, "
+                                     "this model's is 16"), r.err
+        assert "bandwidth" not in r.err
 
 
 def test_block_weights_are_measured_against_the_int8_peak(model_dirs):
