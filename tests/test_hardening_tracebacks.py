@@ -111,8 +111,8 @@ CONFIG_CASES = [
     # config (llama reads none of it, a wrong one is still a mistake in the file)
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.factor is missing"),
     ({"layer_types": ["full_attention"]}, "layer_types must list one of full_attention/sliding_attention per layer "
-                                          "(2 layers), got 1 entries"),
-    ({"layer_types": ["full_attention", "bogus"]}, "layer_types must list one of"),
+                                          "(2 layers), got 1 entry"),
+    ({"layer_types": ["full_attention", "bogus"]}, 'got 2 entries, layer_types[1] "bogus"'),
     ({"layer_types": "full_attention"}, "layer_types must list one of"),
     # partial rotary is phi3's: transformers ignores the field for llama, or fails on it
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5: llama models rotate the whole head"),
