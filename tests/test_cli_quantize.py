@@ -35,10 +35,14 @@ def model_dirs(model_dirs, tmp_path_factory, tokenizer):
     built = {}
 
     def get(family):
-        if family != "mistral":
+        if family not in ("mistral", "llama-wide"):
             return model_dirs(family)
         if family not in built:
-            built[family] = tiny.make_model(root / family, family, tokenizer, sliding_window=None)
+            # llama-wide: rows of 256 and 512 values, whole super-blocks of the K types (the
+            # other tiny models' rows of 64 hold none, so their K mixtures fall back to Q5_0/Q8_0)
+            extra = ({"sliding_window": None} if family == "mistral" else
+                     {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2})
+            built[family] = tiny.make_model(root / family, family.removesuffix("-wide"), tokenizer, **extra)
         return built[family]
 
     return get
@@ -538,6 +542,39 @@ def test_a_bad_tensor_midway_leaves_nothing_behind(tmp_path, capsys, model_dirs,
 
 
 # -- llama.cpp itself (outside CI: needs llama-cpp-python) ---------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k", "q8_0", "f32"])
+def test_llama_cpp_reads_the_k_mixtures_as_twice_runs_them(tmp_path, capsys, model_dirs, tokenizer, kind):
+    """The K types on rows that hold them (256 and 512 values): llama.cpp loads the file and its
+    logits are twice's own on the same file as stored: the same blocks, read alike. What
+    differs is how each engine rounds the activations and llama.cpp's f16 KV cache: measured
+    0.022-0.029 of the logits' scale for every K mixture, 0.023 for a Q8_0 file (whose layout
+    test_llama_cpp_loads_the_output checks against transformers), under 0.001 for f32; a
+    misread block would move them by the logits' whole size."""
+    from twice.core.cache import KVCache
+    from twice.weights.load import load
+
+    python = llama_cpp_python()
+    if python is None:
+        pytest.skip("llama_cpp is not importable (set TWICE_LLAMA_CPP_PYTHON to a Python that has it)")
+    out, r = _quantize(tmp_path, capsys, model_dirs("llama-wide"), kind, None, "--json")
+    types = json.loads(r.out)["tensor_types"]
+    assert kind in ("q8_0", "f32") or any(t.endswith("_K") for t in types), types  # it really holds K blocks
+    texts = tiny.CORPUS[:3]
+    p = subprocess.run([python, "-c", _LOAD_AND_TOKENIZE, str(out), json.dumps(texts)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["ids"] == [tokenizer.encode(t).ids for t in texts] and result["finite"]
+    ids = torch.tensor([tokenizer.encode(texts[0]).ids[:8]])
+    loaded = load(str(out), device="cpu", dtype="float32")
+    with torch.inference_mode():
+        want = loaded.model(ids, KVCache(loaded.config, 1, 16, torch.float32, "cpu"), all_logits=True)[0]
+    got = torch.tensor(result["logits"])
+    tol = (0.002 if kind == "f32" else 0.04) * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tol, kind
 
 
 _LOAD_AND_TOKENIZE = """
