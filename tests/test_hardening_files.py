@@ -352,6 +352,29 @@ def test_tensors_laid_out_in_another_order_than_the_table_read_as_gguf_reads_the
         assert np.array_equal(t.data, g.data) and np.array_equal(np.asarray(t.data), want[t.name]), t.name
 
 
+def test_the_loader_walks_past_the_vocabulary_without_making_it(small_gguf, monkeypatch):
+    """Loading as stored reads the header again for its tensor table: the tokenizer's arrays
+    (150k strings and merges, tens of MB of Python objects at the load's peak) are walked and
+    bounds-checked but not made (big_arrays=False); the table and the sizes are the same."""
+    from twice.weights import gguf_file
+    from twice.weights.gguf_file import Skipped
+
+    monkeypatch.setattr(gguf_file, "BIG_ARRAY", 8)  # the tiny vocabulary counts as big here
+    whole, lean = read_gguf(small_gguf), read_gguf(small_gguf, big_arrays=False)
+    tokens = lean.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, Skipped) and len(tokens) == len(whole.metadata["tokenizer.ggml.tokens"]) > 8
+    assert [(t.name, t.data_offset, t.n_bytes) for t in lean.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in whole.tensors]
+    small = {k: v for k, v in whole.metadata.items() if not isinstance(lean.metadata[k], Skipped)}
+    assert small and all(lean.metadata[k] == v for k, v in small.items())
+    # a string past the end of the file is refused while skipping too
+    data = small_gguf.read_bytes()
+    start = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4 + 8
+    small_gguf.write_bytes(data[:start] + struct.pack("<Q", 1 << 40) + data[start + 8:])
+    with pytest.raises(WeightsError, match="runs past the end of the file"):
+        read_gguf(small_gguf, big_arrays=False)
+
+
 def test_tensors_outside_the_file_are_refused(small_gguf):
     data = small_gguf.read_bytes()
     last = read_gguf(small_gguf).tensors[-1]

@@ -43,7 +43,7 @@ import torch
 
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
-from .gguf_file import read_gguf
+from .gguf_file import Skipped, read_gguf
 from .gguf_metadata import positive_float, positive_int, require, token_id
 from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
 from .gguf_tokenizer import build_tokenizer
@@ -121,12 +121,13 @@ def convert_gguf(
 # -- reading the file ----------------------------------------------------------------------
 
 
-def _open_reader(src: Path):
+def _open_reader(src: Path, big_arrays: bool = True):
     """The header of `src` (metadata, tensor table), checked as llama.cpp checks it before
     any tensor data is read (gguf_file.py): a foreign, truncated or corrupt file, or one
-    whose tensors overlap, leave gaps or lie outside the file, is one WeightsError."""
+    whose tensors overlap, leave gaps or lie outside the file, is one WeightsError.
+    `big_arrays=False`: the tokenizer's arrays are walked, not made (read_gguf)."""
     with _reading(src):
-        return read_gguf(src)
+        return read_gguf(src, big_arrays)
 
 
 @contextmanager
@@ -386,7 +387,7 @@ def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) 
 
 def _vocab_size(metadata: dict, arch: str, src: Path) -> int:
     tokens = metadata.get("tokenizer.ggml.tokens")
-    default_vocab = len(tokens) if isinstance(tokens, list) and tokens else None
+    default_vocab = len(tokens) if isinstance(tokens, (list, Skipped)) and len(tokens) else None
     if f"{arch}.vocab_size" not in metadata and default_vocab is None:
         raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
     return positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)

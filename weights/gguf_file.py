@@ -49,6 +49,7 @@ MAX_NAME_BYTES = 63  # GGML_MAX_NAME is 64, with the terminating NUL
 # The longest metadata array twice reads. Real vocabularies are at most a few hundred
 # thousand tokens (and as many merges); an array past this is refused before it is read.
 MAX_ARRAY_LENGTH = 1 << 22
+BIG_ARRAY = 4096  # read_gguf(big_arrays=False) skips longer metadata arrays (a vocabulary's)
 
 # GGUF value types (gguf.GGUFValueType): struct format and numpy dtype of each scalar.
 _STRING, _ARRAY = 8, 9
@@ -96,6 +97,19 @@ class GGUFTensor:
             dtype, count = np.dtype(np.uint8), self.n_bytes
             np_dims = gguf.quants.quant_shape_to_byte_shape(np_dims, self.tensor_type) if np_dims else (count,)
         return np.frombuffer(self._buffer, dtype=dtype, count=count, offset=self.data_offset).reshape(np_dims)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A metadata array read_gguf(..., big_arrays=False) walked past without making its values
+    (a tokenizer's 150k tokens and merges: tens of MB of Python objects, for a caller that
+    needs only the tensor table and the model's sizes): its length and item type."""
+
+    count: int
+    item: int
+
+    def __len__(self) -> int:
+        return self.count
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,6 +176,18 @@ class _Reader:
         self.pos = pos
         return out
 
+    def skip_strings(self, count: int, what: str) -> None:
+        """strings() without making them: each length checked against the file, no text kept."""
+        unpack = (self._structs.get("Q") or self._structs.setdefault("Q", struct.Struct(self.order + "Q"))).unpack_from
+        buffer, pos, size = self.buffer, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Corrupt(f"{what} runs past the end of the file")
+            pos += 8 + unpack(buffer, pos)[0]
+            if pos > size:
+                raise _Corrupt(f"{what} runs past the end of the file")
+        self.pos = pos
+
     def numbers(self, item: int, count: int, what: str) -> list:
         fmt = _SCALARS[item]
         dtype = np.dtype(self.order + fmt)
@@ -171,10 +197,12 @@ class _Reader:
         return (values != 0).tolist() if item == _BOOL else values.tolist()
 
 
-def read_gguf(src: Path) -> GGUFFile:
+def read_gguf(src: Path, big_arrays: bool = True) -> GGUFFile:
     """The header of the GGUF file `src`, checked as llama.cpp checks it (module docstring).
     Raises WeightsError naming the file (UnsupportedModelError for a tensor type the gguf
-    package does not know)."""
+    package does not know). `big_arrays=False`: metadata arrays of more than BIG_ARRAY
+    values are Skipped (walked and bounds-checked, not made). The header's pages are
+    given back once it is read (the mapping stays for the tensors' data)."""
     with open_regular(src, WeightsError) as f:
         size = os.fstat(f.fileno()).st_size
         magic = f.read(4)
@@ -185,12 +213,12 @@ def read_gguf(src: Path) -> GGUFFile:
         except (OSError, ValueError) as e:
             raise WeightsError(f"{src}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     try:
-        return _parse(src, buffer, size)
+        return _parse(src, buffer, size, big_arrays)
     except _Corrupt as e:
         raise WeightsError(f"{src}: truncated or corrupt GGUF file ({e})") from None
 
 
-def _parse(src: Path, buffer, size: int) -> GGUFFile:
+def _parse(src: Path, buffer, size: int, big_arrays: bool = True) -> GGUFFile:
     import gguf
 
     (version,) = struct.unpack_from("<I", buffer, 4) if size >= 8 else (None,)
@@ -228,9 +256,17 @@ def _parse(src: Path, buffer, size: int) -> GGUFFile:
                                    f"{MAX_ARRAY_LENGTH:,} twice reads in one array")
             if item == _STRING:
                 r.need(count * 8, f"metadata {key}")  # each string is at least its 8-byte length
-                value = r.strings(count, f"metadata {key}")
-            else:
+                if big_arrays or count <= BIG_ARRAY:
+                    value = r.strings(count, f"metadata {key}")
+                else:
+                    r.skip_strings(count, f"metadata {key}")
+                    value = Skipped(count, item)
+            elif big_arrays or count <= BIG_ARRAY:
                 value = r.numbers(item, count, f"metadata {key}")
+            else:
+                r.need(count * np.dtype(_SCALARS[item]).itemsize, f"metadata {key}")
+                r.pos += count * np.dtype(_SCALARS[item]).itemsize
+                value = Skipped(count, item)
         elif kind == _STRING:
             value = r.string(f"metadata {key}")
         elif kind in _SCALARS:
@@ -281,6 +317,11 @@ def _parse(src: Path, buffer, size: int) -> GGUFFile:
         entries.append((name, qtype, dims, n_elements, n_elements // block * type_size, offset))
 
     data_start = -(-r.pos // alignment) * alignment
+    header_pages = min(size, data_start) // mmap.PAGESIZE * mmap.PAGESIZE
+    if header_pages and hasattr(buffer, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        # The header's pages (a vocabulary's megabytes) stay mapped with the file: give them
+        # back, as what they held is now Python values (the data's pages fault in as read).
+        buffer.madvise(mmap.MADV_DONTNEED, 0, header_pages)
     for name, qtype, dims, n_elements, n_bytes, offset in entries:
         if offset % alignment:
             raise _Corrupt(f"tensor {name} starts at byte {offset:,} of the data section, which is not aligned to "

@@ -84,7 +84,7 @@ class StoredTensors:
 
     def __init__(self, src: Path):
         self.src = src
-        reader = _open_reader(src)
+        reader = _open_reader(src, big_arrays=False)  # the tokenizer was read into the header folder
         with _reading(src):
             config = _model_config(reader.metadata, src, _find_tensor(reader, "rope_freqs.weight"),
                                    lambda name: _find_tensor(reader, name))
@@ -205,7 +205,7 @@ def stored_formats(src: Path) -> dict:
     values: dict[str, int] = {}
     tensors: dict[str, int] = {}
     matrix_values = matrix_bytes = total = 0
-    for t in _open_reader(src).tensors:
+    for t in _open_reader(src, big_arrays=False).tensors:
         c = types.get(int(t.tensor_type))
         name = c.name if c else getattr(t.tensor_type, "name", str(t.tensor_type))
         values[name] = values.get(name, 0) + t.n_elements
