@@ -594,7 +594,11 @@ class ChatSession:
 
         engine, side = self.engine, pc.sidecar(path)
         there = os.path.lexists(side)
-        if engine.cache is None or not engine.cached_ids:
+        # Only the cached tokens that are this conversation's own: after /drop, /system or a
+        # /retry the cache still holds what was said before, which must not travel with the
+        # saved file (a dropped turn was written to FILE.kv).
+        keep = self._cached_prefix(self.messages) if engine.cache is not None else 0
+        if keep < 1:
             if force and there and side.is_file() and not side.is_symlink() and pcf.looks_like_one(side):
                 try:
                     side.unlink()
@@ -606,11 +610,19 @@ class ChatSession:
             self.say(f"note: the KV cache was not saved to {side}: the file exists (/save! replaces it)", "yellow")
             return
         use = pc.PromptCacheUse(file=str(side))
-        pc.save(engine, use, len(engine.cached_ids))
+        pc.save(engine, use, keep)
         if use.not_saved is not None:
             self.say(f"note: the KV cache was not saved to {side}: {use.not_saved}", "yellow")
             return
         self.say(f"saved its KV cache ({counted(use.saved_tokens, 'token')}) to {side}", "dim")
+
+    def _cached_prefix(self, messages: list[dict]) -> int:
+        """How many of the KV cache's tokens begin `messages` as the model reads them (the
+        chat template's rendering, as the next turn would send it)."""
+        engine = self.engine
+        ids = self.loaded.tokenizer.encode_chat(self._request_messages(messages)) if messages else []
+        held = engine.cached_ids[:engine.cache.length]
+        return next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
 
     def _file_text(self) -> str:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,

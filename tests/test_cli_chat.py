@@ -142,6 +142,13 @@ def test_turns_reuse_the_cache_and_save_load_restores(model_dirs, tmp_path):
     data = json.loads(saved.read_text())
     assert [m["content"] for m in data["messages"]][0] == "And then?"
     assert not list(tmp_path.glob(".conversation.json.*"))  # the atomic write left no temp file
+    # The KV sidecar holds only this conversation's own start: the dropped turns stayed in the
+    # engine's cache and were written to FILE.kv (a dropped secret travelled with the file).
+    from safetensors.torch import load_file
+
+    kept = load_file(str(saved) + ".kv")["token_ids"].tolist()
+    now = tok.encode_chat([{"role": m["role"], "content": m["content"]} for m in data["messages"]])
+    assert kept == now[:len(kept)] and all(text not in tok.decode(kept) for text in USER)
     leave(child)
 
 
