@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
+from . import options as o
 from .app import app
 from .console import err_console
 
 
 @app.command()
 def convert(
-    model: str = typer.Argument(..., metavar="SRC", help="A .gguf file, or the name of a model twice ships "
+    model: str = typer.Argument(..., metavar="SRC", callback=o.names_a_model, help="A .gguf file, or the name of a model twice ships "
                                                          "(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct-q4_k_m, "
                                                          "qwen2.5-coder-1.5b-instruct-q4_k_m)."),
     out_dir: Path = typer.Argument(..., help="Folder to create (config.json, model.safetensors, tokenizer files)."),

@@ -15,7 +15,8 @@ INFO_WIDTH = 120  # off a terminal (piped, redirected), at least this many colum
 
 @app.command()
 def info(
-    model: str = typer.Argument(None, help="Model folder, .gguf file or Hub id. Default: SmolLM2-135M-Instruct."),
+    model: str = typer.Argument(None, callback=o.names_a_model,
+                                help="Model folder, .gguf file or Hub id. Default: SmolLM2-135M-Instruct."),
     revision: o.Revision = None,
     dtype: o.Dtype = "auto",
     dequantize: o.Dequantize = False,

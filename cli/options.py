@@ -14,6 +14,15 @@ def _names_something(value: str | None) -> str | None:
     return value
 
 
+def names_a_model(value: str | None) -> str | None:
+    """A MODEL argument's callback (info, quantize, convert): "" (an unset `"$M"`) is refused
+    in one line; it quietly meant the default model, or a file named after the working folder."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter(f"{value!r} names no model (give a folder, a .gguf file, a Hub id or "
+                                 "a packaged model's name)")
+    return value
+
+
 Model = Annotated[Optional[str], typer.Option("--model", "-m", callback=_names_something,
                                               help="Model folder, .gguf file or Hub id (org/name). Default: SmolLM2-135M-Instruct.")]
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]

@@ -20,8 +20,9 @@ TYPES = "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_s, q5_
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="Model folder, .gguf file or Hub id (org/name); smollm2-135m-instruct: "
-                                          "the default model."),
+    model: str = typer.Argument(..., callback=o.names_a_model,
+                                help="Model folder, .gguf file or Hub id (org/name); smollm2-135m-instruct: "
+                                     "the default model."),
     out: Path = typer.Argument(..., help="The GGUF file to write."),
     type_name: str = typer.Option(..., "--type", "-t", help=f"Tensor types, as llama-quantize names them: {TYPES} "
                                                             "(q4_k = q4_k_m, q5_k = q5_k_m, q3_k = q3_k_m)."),
@@ -90,10 +91,14 @@ def _refuse_own_input(out: Path, model: str, folder: Path) -> None:
     (--overwrite would destroy the source: its config.json or safetensors made GGUF bytes)."""
     from twice.core.errors import WeightsError
 
+    from twice.weights.resolve import named_gguf
+
     target = out.resolve()
-    source = user_path(model)
-    if source.is_file() and source.resolve() == target:
-        raise WeightsError(f"{out}: is the model being quantized; --overwrite would replace it (choose another name)")
+    # the file a path names, or the one behind a name twice ships (the default model's, a packaged one's)
+    for source in (user_path(model), named_gguf(model)):
+        if source is not None and source.is_file() and source.resolve() == target:
+            raise WeightsError(f"{out}: is the model being quantized; --overwrite would replace it "
+                               "(choose another name)")
     if target.is_relative_to(folder.resolve()):
         raise WeightsError(f"{out}: is inside {folder}, the model folder being read; choose a name outside it")
 

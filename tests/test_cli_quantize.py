@@ -300,6 +300,25 @@ def test_convert_reads_a_shipped_models_name_as_model_does(tmp_path, capsys, mon
     assert r.code == 2 and one_error_line(r) == "twice: error: nosuch-model: no such file"
 
 
+def test_quantize_never_overwrites_the_file_behind_a_shipped_name(tmp_path, capsys, monkeypatch, model_dirs):
+    """OUT = the GGUF file a packaged model's name stands for, with --overwrite: refused in one
+    line, the file kept (only a model given as a path was compared with OUT: the installed
+    default model's file could be replaced by its own quantization); an empty MODEL is one line."""
+    from twice.weights import packaged
+
+    name = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+    gguf, _ = _quantize(tmp_path, capsys, model_dirs("llama"), "q8_0")
+    before = gguf.read_bytes()
+    monkeypatch.setattr(packaged, "packaged_gguf", lambda ref, progress=None: gguf if ref == name else None)
+    r = run_inprocess(["quantize", name, str(gguf), "--type", "q4_0", "--overwrite"], capsys)
+    assert one_error_line(r) == f"twice: error: {gguf}: is the model being quantized; --overwrite would replace it " \
+                                "(choose another name)"
+    assert gguf.read_bytes() == before
+    for args in (["quantize", "", str(tmp_path / "x.gguf"), "--type", "q8_0"], ["info", ""], ["convert", "", "x"]):
+        assert "'' names no model" in one_error_line(run_inprocess(args, capsys))
+    assert not (tmp_path / "x.gguf").exists()
+
+
 @pytest.mark.parametrize("family, kind", [
     ("llama", "f32"), ("qwen2", "f32"), ("qwen3", "f32"), ("llama3", "f32"),
     pytest.param("qwen2", "q8_0", marks=pytest.mark.slow),  # builds the quantized-weight kernels (~40 s)
