@@ -38,9 +38,15 @@ def _read(prompt: str | None) -> str:
         raise PromptError("no prompt: give one as an argument, or pipe it in (twice generate - < prompt.txt)")
     data = read_limited_stream(sys.stdin.buffer, MAX_PROMPT_BYTES, "standard input")
     try:
-        return strip_bom(data.decode("utf-8"))
+        # One line ending off the end, as a shell's $(...) takes it: `echo TEXT | twice generate -`
+        # is the prompt TEXT, as the argument TEXT is (the newline echo adds changed the reply).
+        return _one_line_ending_off(strip_bom(data.decode("utf-8")))
     except UnicodeDecodeError as e:
         raise PromptError(f"standard input is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+
+
+def _one_line_ending_off(text: str) -> str:
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 def read_limited_stream(stream, limit: int, name: str) -> bytes:

@@ -269,6 +269,13 @@ def test_prompt_from_standard_input(capsys, monkeypatch, llama, greedy_raw):
     d = gen_json(capsys, "-", "-m", llama, "--raw", "-n", "24", "--temperature", "0",
                  stdin=b"\xef\xbb\xbf" + RAW_PROMPT.encode(), monkeypatch=monkeypatch)  # an editor's BOM: not text
     assert (d["prompt_tokens"], d["token_ids"]) == (greedy_raw["prompt_tokens"], greedy_raw["token_ids"])
+    for ending in (b"\n", b"\r\n"):  # `echo PROMPT |`: the line ending echo adds is no part of the prompt
+        d = gen_json(capsys, "-", "-m", llama, "--raw", "-n", "24", "--temperature", "0",
+                     stdin=RAW_PROMPT.encode() + ending, monkeypatch=monkeypatch)
+        assert (d["prompt_tokens"], d["token_ids"]) == (greedy_raw["prompt_tokens"], greedy_raw["token_ids"])
+    d = gen_json(capsys, "-", "-m", llama, "--raw", "-n", "1", stdin=RAW_PROMPT.encode() + b"\n\n",
+                 monkeypatch=monkeypatch)  # only one: a blank last line is the user's
+    assert d["prompt_tokens"] > greedy_raw["prompt_tokens"]
     for empty in (b"  \n", b"\xef\xbb\xbf", b"\xef\xbb\xbf \n"):
         r = gen(capsys, "-", "-m", llama, stdin=empty, monkeypatch=monkeypatch)
         assert "the prompt is empty" in one_line_error(r)
