@@ -610,9 +610,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         done = final_done | state.done
         resumed.append((state, str(out_path)))
     todo = [r for r in mine if r.key not in done]
-    if not todo:
-        if not data_parallel:
-            _say(f"nothing to do: all {counted(len(records), 'prompt')} of {name} are already in {output}")
+    if not todo and data_parallel:
         return merge
     plan = Plan(name, todo, errors, state, out_path, already=len(mine) - len(todo), strict=strict,
                 batch_size=batch_size, timing=timing, system=system, compile=compile, stats=stats, kv_dtype=kv_dtype)
@@ -647,6 +645,9 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
                 pass  # a line's own bad value: its line is an error line again
     for earlier, shown in resumed:
         check_settings(earlier, expected, shown)
+    if not todo:  # said only once the results were found to be this model's and these settings'
+        _say(f"nothing to do: all {counted(len(records), 'prompt')} of {name} are already in {output}")
+        return merge
     _run(loaded, plan, base)
     return merge
 

@@ -403,6 +403,13 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
     r = batch(same, capsys, llama)
     assert r.code == 0, r.err
     assert [o["id"] for o in read_lines(dst)] == [1, 2]
+    # a complete output is checked too: "nothing to do" told a run with other settings it was done
+    done = dst.read_bytes()
+    r = batch([*same, "-n", "3"], capsys, llama)
+    assert r.code == 2 and "its result was generated with max_new_tokens 2, this run gives 3" in r.err, r.err
+    assert "nothing to do" not in r.err and dst.read_bytes() == done
+    r = batch(same, capsys, llama)
+    assert r.code == 0 and "nothing to do" in r.err and dst.read_bytes() == done
     # an output whose lines record no settings (an older twice's) is continued as before
     dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n')
     assert batch([*same, "-n", "5"], capsys, llama).code == 0
