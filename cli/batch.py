@@ -24,6 +24,7 @@ import typer
 
 from twice.core.errors import PromptError, TwiceError
 from twice.core.fields import show
+from twice.core.paths import user_path
 
 from . import options as o
 from .app import app
@@ -578,6 +579,8 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     if data_parallel and output in (None, "-"):
         raise PromptError("twice batch under torchrun without --tp splits the prompts across ranks and "
                           "needs --output FILE.jsonl (each rank writes a part, rank 0 merges them)")
+    if output not in (None, "-") and input != "-" and user_path(output).resolve() == user_path(input).resolve():
+        raise PromptError(f"{output}: is the input file; results go to another file (--output OUT.jsonl)")
     locks = locks if locks is not None else contextlib.ExitStack()
     _claim(launch, data_parallel, output, locks)  # before reading what is done
     out_path, state = check_output(output, resume)

@@ -13,7 +13,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from clirun import run_inprocess
+from clirun import one_error_line, run_inprocess
 from twice.cli.batch import auto_batch_size
 from twice.cli.batch_input import parse_input, sniff_format
 from twice.cli.batch_output import scan_output
@@ -413,6 +413,18 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
     # an output whose lines record no settings (an older twice's) is continued as before
     dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n')
     assert batch([*same, "-n", "5"], capsys, llama).code == 0
+
+
+def test_the_input_as_its_own_output_is_one_line(tmp_path, capsys, llama):
+    """-o naming the input file said "already exists; pass --resume", and --resume then said
+    its lines were not ours: it is the input, said once, and the file is kept."""
+    src = tmp_path / "p.txt"
+    src.write_text("Hello\nworld\n")
+    for extra in ([], ["--resume"]):
+        r = batch([str(src), "-o", str(tmp_path / "." / "p.txt"), "-n", "2", *extra], capsys, llama)
+        assert one_error_line(r) == f"twice: error: {tmp_path}/p.txt: is the input file; results go to another " \
+                                    "file (--output OUT.jsonl)"
+        assert src.read_text() == "Hello\nworld\n"
 
 
 def test_batch_notes_that_raw_ignores_system(tmp_path, capsys, llama):
