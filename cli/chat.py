@@ -712,6 +712,8 @@ class ChatSession:
         try:
             if key == "seed" and text.lower() in ("none", "off", "-"):
                 value = None
+            elif "_" in text:  # Python's int() and float() read 1_0 as 10: a typo, never a number here
+                raise ValueError(text)
             else:
                 value = kind(text)
         except ValueError:

@@ -483,8 +483,8 @@ def test_set_changes_sampling_as_the_flags_would(model_dirs, tmp_path, capsys, m
            ("min_p", "1"), ("repetition_penalty", "0"), ("seed", "-1"), ("max_new_tokens", "0")]
     r = chat(capsys, monkeypatch, model_dirs("llama"),
              ["/set", "/set max_new_tokens 3", "/set top-k 5", "/set temperature 0.5", "/set seed 3", "/set seed none",
-              *(f"/set {k} {v}" for k, v in bad), "/set top_k 1.5", "/set nonsense 1", "/set top_k", "Hello there",
-              "/set"])
+              *(f"/set {k} {v}" for k, v in bad), "/set top_k 1.5", "/set temperature 1_0", "/set nonsense 1",
+              "/set top_k", "Hello there", "/set"])
     assert r.code == 0 and "Traceback" not in r.err, r.err
     lines = r.err.splitlines()
     shown = [line for line in lines if line.startswith("temperature ") and "·" in line]
@@ -501,6 +501,7 @@ def test_set_changes_sampling_as_the_flags_would(model_dirs, tmp_path, capsys, m
             check_flags(**{key: kind(value)})
         assert line == f"error: /set {key}: {flag.value}"  # word for word the flag's message
     assert problems[len(bad):] == ["error: /set top_k: a whole number is needed, got '1.5'",
+                                   "error: /set temperature: a number is needed, got '1_0'",  # not 10.0
                                    *["error: usage: /set NAME VALUE, NAME one of temperature, top_k, top_p, min_p, "
                                      "repetition_penalty, seed, max_new_tokens (/set alone shows them)"] * 2]
     assert turns(r)[0][2] == 3  # the reply took the new max_new_tokens
