@@ -54,11 +54,11 @@ PART_FIELDS = {"type", "text"}
 def _only(obj: dict, fields: set[str], where: str | None = None, param: str | None = None) -> None:
     """A 400 unknown_field for a key of `obj` (the body; `where` names a nested object: a
     message, a content part, stream_options) outside `fields`: a typo never passes silently."""
-    unknown = sorted(k for k in obj if k not in fields)
-    if unknown:
-        name = json.dumps(unknown[0])[:80]
-        raise ApiError(400, f"unknown field {name}{f' in {where}' if where else ''} (it takes: "
-                            f"{', '.join(sorted(fields))})", code="unknown_field", param=param or unknown[0][:80])
+    from twice.core.fields import first_unknown
+
+    if (unknown := first_unknown(obj, fields)) is not None:
+        raise ApiError(400, f"unknown field {json.dumps(unknown)[:80]}{f' in {where}' if where else ''} (it takes: "
+                            f"{', '.join(sorted(fields))})", code="unknown_field", param=param or unknown[:80])
 
 
 class ApiError(Exception):

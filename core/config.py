@@ -306,9 +306,12 @@ def layer_types_from(f: Fields, d: dict, layers: int, kinds: tuple[str, ...] = (
     if given is None:
         return None
     if not isinstance(given, list) or len(given) != layers or any(t not in kinds for t in given):
-        bad = next((i for i, t in enumerate(given) if t not in kinds), None) if isinstance(given, list) else None
-        shown = (f"{len(given)} entr{'y' if len(given) == 1 else 'ies'}" + (f", layer_types[{bad}] {show(given[bad])[:60]}" if bad is not None else "")
-                 if isinstance(given, list) else show(given))
+        if isinstance(given, list):
+            bad = next((i for i, t in enumerate(given) if t not in kinds), None)
+            shown = f"{len(given)} entr{'y' if len(given) == 1 else 'ies'}"
+            shown += f", layer_types[{bad}] {show(given[bad])[:60]}" if bad is not None else ""
+        else:
+            shown = show(given)
         raise ConfigError(f"{f.source}: layer_types must list one of {'/'.join(kinds)} per layer "
                           f"({layers} layers), got {shown}")
     return tuple(given)

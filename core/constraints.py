@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 
 from .errors import PromptError
-from .fields import describe_json_error, loads, show
+from .fields import describe_json_error, first_unknown, loads, show
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 MAX_SPEC_BYTES = 1 << 20  # a schema, regex or grammar: at most 1 MiB of text
@@ -129,9 +129,8 @@ _SPEC_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type
 
 
 def _only(d: dict, fields: set[str], where: str) -> None:
-    unknown = sorted(k for k in d if k not in fields)
-    if unknown:
-        raise ConstraintError(f"{where}: unknown field {show(unknown[0])[:80]} (it takes {', '.join(sorted(fields))})")
+    if (unknown := first_unknown(d, fields)) is not None:
+        raise ConstraintError(f"{where}: unknown field {show(unknown)[:80]} (it takes {', '.join(sorted(fields))})")
 
 
 def spec_from_dict(d: dict, where: str = "constraint") -> ConstraintSpec | None:

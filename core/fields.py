@@ -259,6 +259,12 @@ def _range_words(kind: str, lo, hi, lo_open: bool = False, hi_open: bool = False
     return kind
 
 
+def first_unknown(obj: dict, fields: set[str] | frozenset[str]) -> str | None:
+    """The first key of `obj` (in sorted order) outside `fields`, or None: an untrusted
+    object's typo, refused by its reader (a serve request, a message, a response_format)."""
+    return min((k for k in obj if k not in fields), default=None)
+
+
 def unpaired_surrogate(text: str) -> int | None:
     """The index of the first lone surrogate in `text` (None if there is none): JSON's
     \\uD800-\\uDFFF escapes decode to them, and they are not text (UTF-8 cannot hold them)."""
