@@ -13,20 +13,24 @@ from .console import err_console
 
 @app.command()
 def convert(
-    model: str = typer.Argument(..., metavar="SRC", callback=o.names_a_model, help="A .gguf file, or the name of a model twice ships "
-                                                         "(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct-q4_k_m, "
-                                                         "qwen2.5-coder-1.5b-instruct-q4_k_m)."),
-    out_dir: Path = typer.Argument(..., help="Folder to create (config.json, model.safetensors, tokenizer files)."),
+    model: str = typer.Argument(..., metavar="SRC", callback=o.names_a_model,
+                                help="A .gguf file, or the name of a model twice ships (smollm2-135m-instruct, "
+                                     "qwen2.5-coder-0.5b-instruct-q4_k_m, qwen2.5-coder-1.5b-instruct-q4_k_m)."),
+    folder_name: str = typer.Argument(..., metavar="OUT_DIR",
+                                      help="Folder to create (config.json, model.safetensors, tokenizer files)."),
     dtype: str = typer.Option("float32", help="Tensor dtype to write: float32, bfloat16 or float16."),
     overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it exists (a model folder: it holds "
                                                "config.json, and not the GGUF file itself)."),
 ):
     """Convert a GGUF file (dequantized) into a folder transformers and twice can load."""
-    from twice.core.errors import ModelNotFoundError, WeightsError
+    from twice.core.errors import ModelNotFoundError, UsageError, WeightsError
     from twice.core.paths import user_path
     from twice.weights.gguf import DestinationExists, convert_gguf
     from twice.weights.resolve import named_gguf
 
+    if not folder_name.strip():  # a Path would read "" as ".", the working folder
+        raise UsageError(f"{folder_name!r} names no folder (OUT_DIR: the folder to create)")
+    out_dir = user_path(folder_name)
     # A name twice ships is read as --model reads it: before any path of that name.
     src = named_gguf(model) or user_path(model)
     if src.is_dir():

@@ -316,6 +316,9 @@ def test_quantize_never_overwrites_the_file_behind_a_shipped_name(tmp_path, caps
     assert gguf.read_bytes() == before
     for args in (["quantize", "", str(tmp_path / "x.gguf"), "--type", "q8_0"], ["info", ""], ["convert", "", "x"]):
         assert "'' names no model" in one_error_line(run_inprocess(args, capsys))
+    # an empty OUT_DIR was the working folder (".: folder exists and is not empty")
+    assert one_error_line(run_inprocess(["convert", str(gguf), ""], capsys)) == \
+        "twice: error: '' names no folder (OUT_DIR: the folder to create)"
     assert not (tmp_path / "x.gguf").exists()
 
 
