@@ -20,6 +20,7 @@ import typer
 from rich.text import Text
 
 from twice.core.paths import user_path
+from twice.core.prefix import common_prefix
 
 from . import options as o
 from .app import app
@@ -621,8 +622,7 @@ class ChatSession:
         chat template's rendering, as the next turn would send it)."""
         engine = self.engine
         ids = self.loaded.tokenizer.encode_chat(self._request_messages(messages)) if messages else []
-        held = engine.cached_ids[:engine.cache.length]
-        return next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
+        return common_prefix(engine.cached_ids[:engine.cache.length], ids)
 
     def _file_text(self) -> str:
         data = {"version": SAVE_VERSION, "model": self.loaded.name, "system": self.system,

@@ -6,21 +6,22 @@ from typing import Annotated, Optional
 
 import typer
 
-def _names_something(value: str | None) -> str | None:
-    # `--model "$M"` with M unset would quietly mean the default model (and --draft "" drafted
-    # with it): an empty name is refused before anything loads.
+def _no_empty_name(value: str | None, hint: str) -> str | None:
+    # `--model "$M"` or `twice info "$M"` with M unset would quietly mean the default model (and
+    # --draft "" drafted with it; quantize named its file after the working folder): an empty
+    # name is refused before anything loads.
     if value is not None and not value.strip():
-        raise typer.BadParameter(f"{value!r} names no model (leave the option out for its default)")
+        raise typer.BadParameter(f"{value!r} names no model ({hint})")
     return value
+
+
+def _names_something(value: str | None) -> str | None:
+    return _no_empty_name(value, "leave the option out for its default")
 
 
 def names_a_model(value: str | None) -> str | None:
-    """A MODEL argument's callback (info, quantize, convert): "" (an unset `"$M"`) is refused
-    in one line; it quietly meant the default model, or a file named after the working folder."""
-    if value is not None and not value.strip():
-        raise typer.BadParameter(f"{value!r} names no model (give a folder, a .gguf file, a Hub id or "
-                                 "a packaged model's name)")
-    return value
+    """A MODEL argument's callback (info, quantize, convert)."""
+    return _no_empty_name(value, "give a folder, a .gguf file, a Hub id or a packaged model's name")
 
 
 Model = Annotated[Optional[str], typer.Option("--model", "-m", callback=_names_something,

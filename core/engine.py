@@ -23,6 +23,7 @@ import torch
 from .cache import KVCache, kv_format
 from .device import DTYPE_NAMES, peak_memory_bytes, reset_peak_memory, synchronize
 from .errors import DeviceError, PromptError, TwiceError
+from .prefix import common_prefix
 from .fastpath import CompiledDecoder, bucketed
 from .fastpath import supported as compiled_supported
 from .native_decode import NativeDecoder
@@ -275,14 +276,6 @@ def _dropped(tokens: int, chars: int) -> str:
     return f"{chars:,} characters and then {tokens} tokens of the prompt"
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = (),
                  compile: bool = False, native: bool = True, draft: CausalLM | None = None,
@@ -350,7 +343,7 @@ class Engine:
             yield Notice(f"dropped the first {_dropped(dropped, cut)} to fit the context of {self.context_length} "
                          f"(--truncate left)", context=True)
         max_new = self._check_length(ids, settings)
-        reused = _common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
+        reused = common_prefix(self.cached_ids, ids) if (reuse_cache and self.cache is not None) else 0
         reused = min(reused, len(ids) - 1)  # at least one token must run to produce logits
         needed = len(ids) + max_new - 1
         # cached_ids shrinks first: an interrupt anywhere below leaves it describing (a

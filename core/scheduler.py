@@ -59,8 +59,9 @@ from . import kernels
 from .cache import KVCache
 from .device import synchronize
 from .engine import (CAPACITY_ROUNDING, Done, Engine, Failed, GenerationSettings, Notice, Request, TokenEvent,
-                     _common_prefix, _dropped, _Row)
+                     _dropped, _Row)
 from .errors import PromptError, TwiceError
+from .prefix import common_prefix
 from .sampling import Sampler
 
 PREFILL_CHUNK = 512  # prompt tokens prefilled per step, over all joining requests
@@ -339,7 +340,7 @@ class Scheduler:
             return
         best, source = 0, None
         for tokens, cache, row, start in self._prefix_sources():
-            n = _common_prefix(tokens, ids)
+            n = common_prefix(tokens, ids)
             if n > best:
                 best, source = n, (cache, row, start)
         best = min(best, len(ids) - 1)  # at least one token runs, for the logits
@@ -597,7 +598,7 @@ class Scheduler:
         tokens = seq.cached
         if len(tokens) < self.prefix_min:
             return
-        if any(_common_prefix(r.tokens, tokens) == len(tokens) for r in self.retained):
+        if any(common_prefix(r.tokens, tokens) == len(tokens) for r in self.retained):
             return
         engine, start = self.engine, self._start(seq.slot)
         n = len(tokens)

@@ -70,6 +70,7 @@ import torch
 
 from .cache import KVCache
 from .errors import PromptError, TwiceError
+from .prefix import common_prefix
 
 MAX_DRAFT_TOKENS = 32  # --draft-tokens above this: refused
 ADAPTIVE_MAX = 8  # adaptive K stays in 1..8
@@ -129,14 +130,6 @@ def check_vocabularies(target_tokenizer, draft_tokenizer, target_vocab: int, dra
     if missing:
         raise DraftError(f"the draft model's tokenizer lacks {len(missing):,} of the model's tokens (e.g. "
                          f"{missing[0]!r}): a draft must share the model's vocabulary")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 # -- statistics ------------------------------------------------------------------------
@@ -590,7 +583,7 @@ class Draft:
         k = min(k, capacity - len(seq) + 1)
         if k < 1:
             return [], None
-        reused = min(_common_prefix(self.ids, seq), len(seq) - 1)
+        reused = min(common_prefix(self.ids, seq), len(seq) - 1)
         self.ids = self.ids[:reused]
         self.cache.truncate(reused)
         vocab = sampler.vocab_size
@@ -620,7 +613,7 @@ class Draft:
 
     def rollback(self, seq: list[int]) -> None:
         """Keep only the cached prefix `seq` starts with (the rejected guesses leave)."""
-        keep = _common_prefix(self.ids, seq)
+        keep = common_prefix(self.ids, seq)
         self.ids = self.ids[:keep]
         if self.cache is not None:
             self.cache.truncate(keep)
@@ -724,7 +717,7 @@ class Speculator:
         the rate its own prefills measured (Draft.prefill_rate), else the target's prefill
         rate times the draft's cost relative to a target step, and where the native step runs
         the draft at least NATIVE_ROW_SHARE of a draft step a token."""
-        n = len(seq) - min(_common_prefix(self.proposer.ids, seq), len(seq) - 1)
+        n = len(seq) - min(common_prefix(self.proposer.ids, seq), len(seq) - 1)
         c = self.adaptive.draft or 0.0
         if n <= CATCH_UP_NATIVE:
             return n, n * c

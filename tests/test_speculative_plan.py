@@ -64,7 +64,7 @@ class FakeDraft(speculative.Draft):
         return self.c
 
     def propose(self, seq, k, sampler, row):
-        reused = min(speculative._common_prefix(self.ids, seq), len(seq) - 1)
+        reused = min(speculative.common_prefix(self.ids, seq), len(seq) - 1)
         n = len(seq) - reused
         cost = n * self.prefill if n > speculative.CATCH_UP_NATIVE else self.c  # one native call
         self.prefills += n > speculative.CATCH_UP_NATIVE
@@ -77,7 +77,7 @@ class FakeDraft(speculative.Draft):
         return guesses, None
 
     def rollback(self, seq):
-        self.ids = self.ids[:speculative._common_prefix(self.ids, seq)]
+        self.ids = self.ids[:speculative.common_prefix(self.ids, seq)]
 
 
 class Run(Speculator):

@@ -140,8 +140,11 @@ class _Reader:
         if n > self.size - self.pos:
             raise _Corrupt(f"{what} runs past the end of the file")
 
+    def _struct(self, fmt: str) -> struct.Struct:
+        return self._structs.get(fmt) or self._structs.setdefault(fmt, struct.Struct(self.order + fmt))
+
     def scalar(self, fmt: str, what: str):
-        s = self._structs.get(fmt) or self._structs.setdefault(fmt, struct.Struct(self.order + fmt))
+        s = self._struct(fmt)
         self.need(s.size, what)
         (value,) = s.unpack_from(self.buffer, self.pos)
         self.pos += s.size
@@ -158,8 +161,7 @@ class _Reader:
             raise _Corrupt(f"{what} is not valid UTF-8") from None
 
     def strings(self, count: int, what: str) -> list[str]:
-        length = self._structs.get("Q") or self._structs.setdefault("Q", struct.Struct(self.order + "Q"))
-        unpack, buffer, out = length.unpack_from, self.buffer, []
+        unpack, buffer, out = self._struct("Q").unpack_from, self.buffer, []
         pos, size = self.pos, self.size
         try:
             for _ in range(count):
@@ -178,7 +180,7 @@ class _Reader:
 
     def skip_strings(self, count: int, what: str) -> None:
         """strings() without making them: each length checked against the file, no text kept."""
-        unpack = (self._structs.get("Q") or self._structs.setdefault("Q", struct.Struct(self.order + "Q"))).unpack_from
+        unpack = self._struct("Q").unpack_from
         buffer, pos, size = self.buffer, self.pos, self.size
         for _ in range(count):
             if pos + 8 > size:
@@ -264,8 +266,9 @@ def _parse(src: Path, buffer, size: int, big_arrays: bool = True) -> GGUFFile:
             elif big_arrays or count <= BIG_ARRAY:
                 value = r.numbers(item, count, f"metadata {key}")
             else:
-                r.need(count * np.dtype(_SCALARS[item]).itemsize, f"metadata {key}")
-                r.pos += count * np.dtype(_SCALARS[item]).itemsize
+                size_of = count * np.dtype(_SCALARS[item]).itemsize
+                r.need(size_of, f"metadata {key}")
+                r.pos += size_of
                 value = Skipped(count, item)
         elif kind == _STRING:
             value = r.string(f"metadata {key}")
