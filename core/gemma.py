@@ -42,6 +42,7 @@ the post-norms act on the all-reduced outputs, so nothing else splits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,11 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig, layer_types_from, normalize_rope, size_field
-from .errors import TwiceError, UnsupportedModelError
-from .family import Family, attention_parameters
+from .errors import TwiceError, UnsupportedModelError, WeightsError
+from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields, show
 from .layers import GatedMLP, OffsetRMSNorm, WiredBlock
+from .llama import GGUF_NAMES as _LLAMA_GGUF_NAMES
 from .llama import LlamaModel
 from .model import Target
 from .parallel import SINGLE, Shard
@@ -268,6 +270,132 @@ def parameter_count(c: ModelConfig) -> int:
     return c.num_hidden_layers * (attn + 3 * h * c.intermediate_size + norms) + c.vocab_size * h + h + head
 
 
+# -- Gemma in llama.cpp's GGUF files (its converter's Gemma2Model / Gemma3Model) ------------------------
+
+# Sandwich norms (attn_norm, post_attention_norm, ffn_norm = the pre-feed-forward norm,
+# post_ffw_norm), gemma3's per-head q/k norms. Every norm's weight is w + 1 in the file
+# (llama.cpp's converter adds gemma's 1: the form's norm_shift).
+_GGUF_NAMES = GgufNames(
+    whole=_LLAMA_GGUF_NAMES.whole,
+    layer={"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_q": "self_attn.q_proj",
+           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+)
+# Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
+# (hidden / heads) ** -0.5; every other size by head_dim ** -0.5 (models/gemma2.cpp, gemma3.cpp).
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's sliding pattern where the file has none: every n-th layer global (gemma2 2, gemma3 6).
+_GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def gguf_query_scalar(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """The query_pre_attn_scalar llama.cpp's gemma graphs imply (no key holds it)."""
+    return hidden // heads if layers == _GGUF_27B_LAYERS[arch] else head_dim
+
+
+def _gguf_sliding_layers(m, layers: int) -> list[bool]:
+    """Which layers slide, as llama.cpp reads them: attention.sliding_window_pattern as one flag
+    per layer, or as n (every n-th layer global), else the architecture's default n; gemma3
+    without a window (0 or absent) has no sliding layer."""
+    if m.arch == "gemma3" and not m.get("attention.sliding_window"):
+        return [False] * layers
+    pattern = m.get("attention.sliding_window_pattern", _GGUF_PATTERN[m.arch])
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise WeightsError(f"{m.src}: {m.arch}.attention.sliding_window_pattern must hold one flag per layer "
+                               f"({layers}), got {len(pattern)} values")
+        return list(pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise WeightsError(f"{m.src}: {m.arch}.attention.sliding_window_pattern must be a whole number, got "
+                           f"{pattern!r}")
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+
+
+def _gguf_read(config: dict, m) -> None:
+    """GeGLU, the soft-caps (gemma2: attention 50 and final 30 unless the file says; gemma3: a
+    final cap only where the file has one), the window and sliding layers, gemma3's local RoPE
+    base (rope.freq_base_swa, default 10000) beside the global one and its linear scaling;
+    query_pre_attn_scalar as llama.cpp derives it."""
+    arch, src = m.arch, m.src
+    del config["mlp_bias"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    del config["hidden_act"]
+    layers = config["num_hidden_layers"]
+    config["query_pre_attn_scalar"] = gguf_query_scalar(arch, layers, config["hidden_size"],
+                                                        config["num_attention_heads"], config["head_dim"])
+    final = m.get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
+    if isinstance(final, bool) or not isinstance(final, (int, float)) or not math.isfinite(final) or final < 0:
+        raise WeightsError(f"{src}: metadata {arch}.final_logit_softcapping must be a number >= 0, got {final!r}")
+    config["final_logit_softcapping"] = float(final) or None
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = m.float("attn_logit_softcapping", default=50.0)
+        if m.get("rope.freq_base_swa", config["rope_theta"]) != config["rope_theta"]:
+            raise UnsupportedModelError(f"{src}: gemma2 with a separate sliding-layer RoPE base is not supported")
+    else:
+        config["rope_local_base_freq"] = m.float("rope.freq_base_swa", default=10000.0)
+    sliding = _gguf_sliding_layers(m, layers)
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = m.get("attention.sliding_window", 4096 if arch == "gemma2" else 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0 or (any(sliding) and window == 0):
+        raise WeightsError(f"{src}: metadata {arch}.attention.sliding_window must be a positive whole number, "
+                           f"got {window!r}")
+    config["sliding_window"] = window or None
+
+
+def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
+    """Gemma2Model / Gemma3Model's keys (the head size always), and the sliding layers as one
+    flag per layer (which llama.cpp reads, for any pattern; the converter leaves llama.cpp's
+    default)."""
+    o = config.options
+    kv: list = [(f"{arch}.attention.key_length", "uint32", config.head_dim),
+                (f"{arch}.attention.value_length", "uint32", config.head_dim)]
+    if arch == "gemma2":
+        kv.append(("gemma2.attn_logit_softcapping", "float32", o.attn_logit_softcapping))
+    if o.final_logit_softcapping is not None:
+        kv.append((f"{arch}.final_logit_softcapping", "float32", o.final_logit_softcapping))
+    sliding = [config.window_for_layer(i) is not None for i in range(config.num_hidden_layers)]
+    if any(sliding):
+        kv += [(f"{arch}.attention.sliding_window", "uint32", config.sliding_window),
+               (f"{arch}.attention.sliding_window_pattern", "bools", sliding)]
+    elif arch == "gemma2":  # llama.cpp's gemma2 slides every other layer unless told
+        kv += [("gemma2.attention.sliding_window", "uint32", config.max_position_embeddings),
+               ("gemma2.attention.sliding_window_pattern", "bools", sliding)]
+    if arch == "gemma3" and o.local_rope is not None:
+        kv.append(("gemma3.rope.freq_base_swa", "float32", float(o.local_rope["rope_theta"])))
+    return kv
+
+
+def _gguf_check(config: ModelConfig, where) -> None:
+    """What llama.cpp's gemma2/gemma3 graphs cannot run as transformers does."""
+    arch, o = FAMILY.gguf[config.model_type].arch, config.options
+    if config.hidden_act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{where}: gemma with hidden_activation {config.hidden_act!r} has no GGUF form "
+                                    "(llama.cpp runs gelu_pytorch_tanh)")
+    if config.qkv_bias or config.o_bias:
+        raise UnsupportedModelError(f"{where}: gemma with attention_bias has no GGUF form")
+    implied = gguf_query_scalar(arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                                config.head_dim)
+    if o.query_pre_attn_scalar != implied:
+        raise UnsupportedModelError(f"{where}: query_pre_attn_scalar {o.query_pre_attn_scalar:g} has no GGUF form: "
+                                    f"llama.cpp scales {arch}'s queries by {implied} ** -0.5 for this size")
+    if arch == "gemma2":
+        if not config.tie_word_embeddings:
+            raise UnsupportedModelError(f"{where}: gemma2 with an untied lm_head has no GGUF form (llama.cpp's gemma2 "
+                                        "uses the embedding as its head)")
+        if o.attn_logit_softcapping is None or o.final_logit_softcapping is None:
+            raise UnsupportedModelError(f"{where}: gemma2 without attn_logit_softcapping or final_logit_softcapping "
+                                        "has no GGUF form (llama.cpp's gemma2 always caps)")
+    elif o.local_rope and o.local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"{where}: gemma3 with RoPE scaling on its sliding layers has no GGUF form")
+
+
+def _gguf_form(arch: str, hf_class: str, **more) -> GgufForm:
+    return GgufForm(arch, hf_class, _GGUF_NAMES, read=_gguf_read, write=_gguf_write, check=_gguf_check,
+                    norm_shift=1.0, window=True, activations=("gelu_pytorch_tanh",), **more)
+
+
 FAMILY = Family(
     model_types=("gemma2", "gemma3_text", "gemma3"),
     model=GemmaModel,
@@ -279,4 +407,8 @@ FAMILY = Family(
     renamed={"hidden_activation": "hidden_act"},  # gemma's name for it; a stray hidden_act is not read
     nullable=("attn_logit_softcapping", "final_logit_softcapping"),  # null: no cap, as transformers reads it
     hf_config={"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3Config"},
+    # gemma3 image-text checkpoints: their text model quantizes in memory as gemma3_text's
+    # (no file is written of them, and a gemma3 file reads back as gemma3_text).
+    gguf={"gemma2": _gguf_form("gemma2", "Gemma2ForCausalLM"), "gemma3_text": _gguf_form("gemma3", "Gemma3ForCausalLM"),
+          "gemma3": _gguf_form("gemma3", "Gemma3ForCausalLM", reads_back=False, writes=False)},
 )

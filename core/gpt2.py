@@ -18,7 +18,8 @@ from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, PlainMLP
-from .family import Family, attention_parameters
+from .errors import UnsupportedModelError, WeightsError
+from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields
 from .model import CausalLM, Placement, Source, Target, fused
 from .parallel import SINGLE, Shard
@@ -130,6 +131,65 @@ def parameter_count(c: ModelConfig) -> int:
     return c.num_hidden_layers * (attn + mlp + 4 * h) + (c.vocab_size + c.max_position_embeddings) * h + 2 * h + head
 
 
+# -- GPT-2 in llama.cpp's GGUF files (its gpt2 architecture) -----------------------------------------
+
+_GGUF_NAMES = GgufNames(
+    whole={"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+           "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+           "output.weight": "lm_head.weight"},
+    layer={"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+           "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    prefix="transformer.h",
+    optional_root="transformer.",
+)
+# Conv1D weights: [in, out] in the checkpoint, [out, in] in the file (the converter transposes
+# them), which is the layout twice's linear layers hold.
+_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+def _gguf_read(config: dict, m) -> None:
+    """config.json of a Hugging Face GPT-2 (GPT2LMHeadModel) from `gpt2.*` metadata, as
+    llama.cpp's convert_hf_to_gguf.py writes it (GPT2Model): learned positions (no RoPE
+    keys), LayerNorm with bias and its epsilon, the tanh-approximated GELU llama.cpp runs
+    (transformers' "gelu_new"), one key/value head per attention head. The sizes go under
+    the names both transformers' GPT2Config (through its attribute map) and twice read;
+    the MLP width, epsilon and activation under GPT-2's own (n_inner, layer_norm_epsilon,
+    activation_function)."""
+    hidden, heads = m.int("embedding_length"), m.int("attention.head_count")
+    kv_heads = m.kv_heads(heads)
+    if kv_heads != heads:
+        raise UnsupportedModelError(f"{m.src}: gpt2 with {kv_heads} key/value heads for {heads} attention heads "
+                                    "(grouped-query attention) is not supported")
+    if hidden % heads:
+        raise WeightsError(f"{m.src}: embedding_length {hidden} is not divisible by head_count {heads}")
+    for key in ("key_length", "value_length"):
+        if m.get(f"attention.{key}", hidden // heads) != hidden // heads:
+            raise UnsupportedModelError(f"{m.src}: gpt2 attention {key} {m.get(f'attention.{key}')!r} is not "
+                                        f"embedding_length / head_count ({hidden // heads}), which GPT-2 cannot "
+                                        "express")
+    config.update({
+        "hidden_size": hidden,
+        "num_hidden_layers": m.int("block_count"),
+        "num_attention_heads": heads,
+        "max_position_embeddings": m.int("context_length"),
+        "n_inner": m.int("feed_forward_length"),
+        "layer_norm_epsilon": m.float("attention.layer_norm_epsilon"),
+        "activation_function": "gelu_new",
+    })
+
+
+def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
+    return [(f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps)]
+
+
+def _gguf_check(config: ModelConfig, where) -> None:
+    if config.scale_attn_by_inverse_layer_idx or not config.scale_attn_weights:
+        raise UnsupportedModelError(f"{where}: GPT-2 attention scaling options (scale_attn_weights false, "
+                                    "scale_attn_by_inverse_layer_idx) have no GGUF form")
+    if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        raise UnsupportedModelError(f"{where}: GPT-2 with activation {config.hidden_act!r} has no GGUF form")
+
+
 FAMILY = Family(
     model_types=("gpt2",),
     model=GPT2Model,
@@ -146,4 +206,7 @@ FAMILY = Family(
     complete=_complete,
     rotary=False,
     hf_config={"gpt2": "GPT2Config"},
+    gguf={"gpt2": GgufForm("gpt2", "GPT2LMHeadModel", _GGUF_NAMES, read=_gguf_read, write=_gguf_write,
+                           check=_gguf_check, shared_keys=False, transposed=_CONV1D,
+                           activations=("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"), o_bias=True)},
 )

@@ -12,7 +12,7 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig, layer_types_from, size_field
-from .family import Family, attention_parameters
+from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields
 from .layers import Embedding, GatedMLP, Linear, RMSNorm, WiredBlock
 from .model import CausalLM, Source, Target, columns, fused_rows
@@ -170,6 +170,33 @@ def parameter_count(c: ModelConfig) -> int:
     return c.num_hidden_layers * (attn + mlp + norms) + c.vocab_size * h + h + head
 
 
+# -- the family in llama.cpp's GGUF files ---------------------------------------------------------------
+
+# llama.cpp's names, which the other llama-based families extend.
+GGUF_NAMES = GgufNames(
+    whole={"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"},
+    layer={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+           "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+           "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+)
+
+
+def _gguf_llama_keys(config: ModelConfig, raw: dict, arch: str) -> list:
+    return [(f"{arch}.rope.dimension_count", "uint32", config.head_dim)]
+
+
+# llama.cpp's llama architecture: its converter permutes q/k rows so that ggml's RoPE rotates
+# adjacent pairs (weights/gguf.py undoes it); Mistral is written as llama and reads back as it.
+_GGUF = {"llama": GgufForm("llama", "LlamaForCausalLM", GGUF_NAMES, write=_gguf_llama_keys, permuted_qk=True,
+                           o_bias=True, rope_tensors=("llama3",)),
+         "mistral": GgufForm("llama", "LlamaForCausalLM", GGUF_NAMES, write=_gguf_llama_keys, permuted_qk=True,
+                             reads_back=False, rope_tensors=("llama3",)),
+         "qwen2": GgufForm("qwen2", "Qwen2ForCausalLM", GGUF_NAMES),
+         "qwen3": GgufForm("qwen3", "Qwen3ForCausalLM", GGUF_NAMES)}
+
+
 _COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 FAMILY = Family(
     model_types=("llama", "mistral", "qwen2", "qwen3"),
@@ -183,4 +210,5 @@ FAMILY = Family(
         "qwen3": dict(_COMMON, max_position_embeddings=32768, head_dim=128),
     },
     hf_config={"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"},
+    gguf=_GGUF,
 )

@@ -49,6 +49,14 @@ class Target:
     def key(self) -> tuple[str, int]:
         return (self.param, self.row)
 
+    def checkpoint_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole checkpoint tensor's shape, given the shape of the parameter it fills."""
+        dest = tuple(param_shape) if self.rows is None else (self.rows, *param_shape[1:])
+        expected = list(self.stored_shape or (dest[::-1] if self.transpose else dest))
+        if self.source is not None:  # this rank keeps a slice: the file holds the whole tensor
+            expected[self.source.dim] = self.source.total
+        return tuple(expected)
+
     @property
     def param_dim(self) -> int | None:
         """The dimension of the parameter that `source` slices: the checkpoint's own, but

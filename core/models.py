@@ -10,7 +10,7 @@ import torch
 from .config import ModelConfig
 from .hugepages import place_parameters
 from . import gemma, gpt2, llama, moe, olmo2, phi3
-from .family import Family
+from .family import Family, GgufForm
 from .model import CausalLM
 from .parallel import SINGLE, Shard
 from .qweight import materialize, store_as_blocks
@@ -21,6 +21,21 @@ FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, gpt2, olmo2, phi3, g
 
 def family(model_type: str) -> Family:
     return FAMILIES[model_type]
+
+
+# How llama.cpp's GGUF files hold each model_type that has a form (family.GgufForm).
+GGUF_FORMS: dict[str, GgufForm] = {t: form for m in (llama, gpt2, olmo2, phi3, gemma, moe) for t, form in m.FAMILY.gguf.items()}
+# The architectures a GGUF file may name, as read back.
+GGUF_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(f.arch for f in GGUF_FORMS.values() if f.reads_back))
+
+
+def gguf_form_of_file(arch: str, experts: bool) -> tuple[str, GgufForm] | None:
+    """The model_type (and its form) a file of llama.cpp architecture `arch` reads back as:
+    the form that has experts if the file has them (llama with experts is Mixtral), else the
+    architecture's only form; None: an architecture twice does not read."""
+    forms = [(t, f) for t, f in GGUF_FORMS.items() if f.arch == arch and f.reads_back]
+    exact = [(t, f) for t, f in forms if f.experts == experts]
+    return (exact or forms or [None])[0]
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = SINGLE,

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig, layer_types_from, size_field
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError, WeightsError
 from .experts import SparseMoE, expert_targets
-from .family import Family, attention_parameters
+from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields, show
 from .layers import GatedMLP
 from . import llama
@@ -195,6 +195,99 @@ def active_parameter_count(c: ModelConfig) -> int:
     return _count(c, c.options.top_k)
 
 
+# -- the families in llama.cpp's GGUF files --------------------------------------------------------------
+
+# llama.cpp stacks the experts of a layer in one tensor (ffn_gate_exps [experts, inter, hidden],
+# ...); a checkpoint's per-expert tensors all name it (`experts.*.` stands for any expert number).
+_GGUF_EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.*.gate_proj",
+                 "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_GGUF_MIXTRAL = GgufNames(llama.GGUF_NAMES.whole, {
+    **llama.GGUF_NAMES.layer, "ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.*.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.*.w3", "ffn_down_exps": "block_sparse_moe.experts.*.w2"})
+_GGUF_QWEN = GgufNames(llama.GGUF_NAMES.whole, {**llama.GGUF_NAMES.layer, **_GGUF_EXPERTS})
+
+
+def _gguf_experts(m) -> tuple[int, int]:
+    experts, used = m.int("expert_count"), m.int("expert_used_count")
+    if used > experts:
+        raise WeightsError(f"{m.src}: {m.arch}.expert_used_count {used} exceeds {m.arch}.expert_count {experts}")
+    return experts, used
+
+
+def _gguf_read_mixtral(config: dict, m) -> None:
+    """Mixtral as llama.cpp holds it: the llama architecture with expert_count experts of
+    feed_forward_length rows, expert_used_count per token (softmax, top-k, renormalized), every
+    layer sparse, no window."""
+    experts, used = _gguf_experts(m)
+    config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+    del config["attention_bias"], config["mlp_bias"]
+
+
+def _gguf_read_qwen3(config: dict, m) -> None:
+    """Qwen3-MoE as llama.cpp runs it (models/qwen3moe.cpp): every layer sparse, experts of
+    expert_feed_forward_length rows, the top-k weights always renormalized, q/k norms per head."""
+    experts, used = _gguf_experts(m)
+    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], moe_intermediate_size=m.int("expert_feed_forward_length"))
+    del config["mlp_bias"]
+
+
+def _gguf_read_qwen2(config: dict, m) -> None:
+    """Qwen2-MoE as llama.cpp runs it (src/models/qwen2moe.cpp): every layer sparse, the top-k
+    softmax weights never renormalized, a shared expert (expert_shared_feed_forward_length rows,
+    feed_forward_length where absent) behind its sigmoid gate, q/k/v biases, no window."""
+    experts, used = _gguf_experts(m)
+    inter = config["intermediate_size"]
+    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=False, decoder_sparse_step=1,
+                  mlp_only_layers=[], qkv_bias=True, use_sliding_window=False,
+                  moe_intermediate_size=m.int("expert_feed_forward_length", default=max(inter // used, 1)),
+                  shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", default=inter))
+    del config["attention_bias"], config["mlp_bias"]
+
+
+def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
+    o = config.options
+    kv = [(f"{arch}.expert_count", "uint32", o.experts), (f"{arch}.expert_used_count", "uint32", o.top_k)]
+    if config.model_type == "mixtral":
+        return llama.FAMILY.gguf["llama"].write(config, raw, arch) + kv
+    kv.append((f"{arch}.expert_feed_forward_length", "uint32", o.expert_intermediate))
+    if config.model_type == "qwen2_moe":
+        kv.append((f"{arch}.expert_shared_feed_forward_length", "uint32", o.shared_intermediate))
+    return kv
+
+
+def _gguf_check(config: ModelConfig, where) -> None:
+    """What llama.cpp's qwen3moe / qwen2moe graphs fix: every layer sparse; qwen3moe always
+    renormalizes the top-k weights, qwen2moe never, and needs its shared expert and own head."""
+    o, t = config.options, config.model_type
+    if t == "mixtral":
+        return
+    arch = FAMILY.gguf[t].arch
+    if o.renormalize != (t == "qwen3_moe"):
+        raise UnsupportedModelError(f"{where}: {t} with norm_topk_prob {str(o.renormalize).lower()} has no GGUF form "
+                                    f"(llama.cpp's {arch} {'always' if t == 'qwen3_moe' else 'never'} renormalizes "
+                                    "the top-k weights)")
+    if not all(o.sparse):
+        raise UnsupportedModelError(f"{where}: {t} with dense layers (mlp_only_layers, decoder_sparse_step) has no "
+                                    f"GGUF form (llama.cpp's {arch} makes every layer sparse)")
+    if t == "qwen2_moe" and not o.shared_intermediate:
+        raise UnsupportedModelError(f"{where}: qwen2_moe without a shared expert has no GGUF form (llama.cpp's "
+                                    "qwen2moe needs one)")
+    if t == "qwen2_moe" and config.tie_word_embeddings:
+        raise UnsupportedModelError(f"{where}: qwen2_moe with a tied lm_head has no GGUF form (llama.cpp's "
+                                    "qwen2moe needs its own output tensor)")
+
+
+_GGUF = {"mixtral": GgufForm("llama", "MixtralForCausalLM", _GGUF_MIXTRAL, read=_gguf_read_mixtral, write=_gguf_write,
+                             experts=True, permuted_qk=True),
+         "qwen3_moe": GgufForm("qwen3moe", "Qwen3MoeForCausalLM", _GGUF_QWEN, read=_gguf_read_qwen3,
+                               write=_gguf_write, check=_gguf_check, experts=True),
+         "qwen2_moe": GgufForm("qwen2moe", "Qwen2MoeForCausalLM", _GGUF_QWEN, read=_gguf_read_qwen2,
+                               write=_gguf_write, check=_gguf_check, experts=True)}
+
+
 _EXPERTS = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128}  # transformers' default expert counts
 _QWEN = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=32768,
              decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False, sliding_window=4096)
@@ -213,4 +306,5 @@ FAMILY = Family(
                           attention_bias=False),
     },
     hf_config={"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"},
+    gguf=_GGUF,
 )

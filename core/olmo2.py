@@ -24,9 +24,11 @@ import torch
 
 from .attention import CachedSelfAttention
 from .config import ModelConfig
-from .family import Family, attention_parameters
+from .errors import UnsupportedModelError
+from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields
 from .layers import GatedMLP, RMSNorm, WiredBlock
+from .llama import GGUF_NAMES as _LLAMA_GGUF_NAMES
 from .llama import LlamaModel
 from .model import Source, Target
 from .parallel import SINGLE, Shard
@@ -139,6 +141,27 @@ def parameter_count(c: ModelConfig) -> int:
     return c.num_hidden_layers * (attn + 3 * h * c.intermediate_size + norms) + c.vocab_size * h + h + head
 
 
+# -- OLMo 2 in llama.cpp's GGUF files -------------------------------------------------------------------
+
+# Norms after attention and MLP (post_attention_norm / post_ffw_norm), q/k norms over the whole
+# projections under the names qwen3 uses for its per-head ones.
+_GGUF_NAMES = GgufNames(
+    whole=_LLAMA_GGUF_NAMES.whole,
+    layer={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+           "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"},
+)
+
+
+def _gguf_read(config: dict, m) -> None:
+    """Its MLP has no bias setting; no sliding windows (OLMo 3's are another architecture)."""
+    del config["mlp_bias"]
+    if m.get("attention.sliding_window"):
+        raise UnsupportedModelError(f"{m.src}: olmo2 with sliding-window layers (OLMo 3) is not supported")
+
+
 FAMILY = Family(
     model_types=("olmo2",),
     model=Olmo2Model,
@@ -147,4 +170,5 @@ FAMILY = Family(
     defaults={"olmo2": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
                             tie_word_embeddings=False, hidden_act="silu")},
     hf_config={"olmo2": "Olmo2Config"},
+    gguf={"olmo2": GgufForm("olmo2", "Olmo2ForCausalLM", _GGUF_NAMES, read=_gguf_read)},
 )

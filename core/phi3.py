@@ -25,10 +25,13 @@ and up rows), so each fused checkpoint tensor fills several places (model.fuse).
 
 from __future__ import annotations
 
+import math
+
 from .config import ModelConfig, size_field
-from .errors import UnsupportedModelError
-from .family import Family
+from .errors import UnsupportedModelError, WeightsError
+from .family import Family, GgufForm, GgufNames
 from .fields import Fields, show
+from .llama import GGUF_NAMES as _LLAMA_GGUF_NAMES
 from .llama import LlamaModel
 from .llama import parameter_count as _llama_parameter_count
 from .model import Placement, fuse
@@ -83,6 +86,76 @@ def parameter_count(c: ModelConfig) -> int:
     return _llama_parameter_count(c)  # the same matrices and norms, fused or not; no biases
 
 
+# -- Phi-3 in llama.cpp's GGUF files (its converter's Phi3MiniModel) --------------------------------------
+
+# q/k/v fused (attn_qkv) and gate|up fused (ffn_up, [2 · intermediate, hidden]) in both.
+_GGUF_NAMES = GgufNames(
+    whole=_LLAMA_GGUF_NAMES.whole,
+    layer={"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
+           "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+)
+
+
+def _gguf_read(config: dict, m) -> None:
+    """Partial rotary as rope.dimension_count, longrope's factors as the rope_factors_long/short
+    tensors with the original context in rope.scaling.original_context_length, the window as
+    attention.sliding_window (0: none), no biases."""
+    del config["attention_bias"], config["mlp_bias"]
+    rotary = m.get("rope.dimension_count", config["head_dim"])
+    config["partial_rotary_factor"] = rotary / config["head_dim"]
+    window = m.get("attention.sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise WeightsError(f"{m.src}: metadata phi3.attention.sliding_window must be a whole number, got {window!r}")
+    config["sliding_window"] = window or None
+    long, short = m.values("rope_factors_long.weight"), m.values("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise WeightsError(f"{m.src}: phi3 needs both rope_factors_long.weight and rope_factors_short.weight, or "
+                           "neither")
+    if long is None:
+        return
+    factors = {}
+    for key, name, values in (("long_factor", "rope_factors_long.weight", long),
+                              ("short_factor", "rope_factors_short.weight", short)):
+        if values.size != rotary // 2 or not all(math.isfinite(v) and v > 0 for v in values.tolist()):
+            raise WeightsError(f"{m.src}: {name} must hold {rotary // 2} positive factors, got {values.size} values")
+        factors[key] = [float(v) for v in values.astype("float32")]
+    original = m.int("rope.scaling.original_context_length")
+    config["original_max_position_embeddings"] = original
+    config["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    # llama.cpp scales attention by rope.scaling.attn_factor; the converter writes the value
+    # longrope implies, which stays implied (exact) unless the file says otherwise.
+    scale = config["max_position_embeddings"] / original
+    implied = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    given = m.float("rope.scaling.attn_factor", default=implied)
+    if abs(given - implied) > 1e-6 * implied:
+        config["rope_scaling"]["attention_factor"] = float(given)
+
+
+def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
+    """Phi3MiniModel's keys: the rotated dimensions of each head, the original context (always,
+    as the converter writes it), the window (0: none) and longrope's attention factor (its
+    factors are tensors, written with the settings tensors)."""
+    rope = config.rope_parameters or {}
+    kv = [("phi3.rope.dimension_count", "uint32", int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))]
+    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        kv.append(("phi3.rope.scaling.original_context_length", "uint32", original))
+    kv.append(("phi3.attention.sliding_window", "uint32", config.sliding_window or 0))
+    if rope.get("rope_type") == "longrope":
+        kv.append(("phi3.rope.scaling.attn_factor", "float32", _longrope_attention_factor(config, rope)))
+    return kv
+
+
+def _longrope_attention_factor(config: ModelConfig, rope: dict) -> float:
+    """The attention scaling longrope implies (transformers' and the converter's formula), or
+    the config's own attention_factor."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = int(rope["original_max_position_embeddings"])
+    scale = rope.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+
+
 FAMILY = Family(
     model_types=("phi3",),
     model=Phi3Model,
@@ -93,4 +166,6 @@ FAMILY = Family(
     complete=complete,
     partial_rotary=True,
     hf_config={"phi3": "Phi3Config"},
+    gguf={"phi3": GgufForm("phi3", "Phi3ForCausalLM", _GGUF_NAMES, read=_gguf_read, write=_gguf_write, window=True,
+                           rope_tensors=("longrope",))},
 )

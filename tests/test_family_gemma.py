@@ -230,10 +230,7 @@ def test_quantize_q8_0_runs(model_dirs, monkeypatch, family):
     the integer kernel. (The int8 activations move these sharp random models' capped logits by
     tenths, so the kernel path is checked for running, not for closeness.)"""
     from twice.core import qweight
-    from twice.weights.gguf_write import ARCHITECTURES
 
-    if "gemma2" not in ARCHITECTURES:
-        pytest.skip("gemma has no GGUF names yet (weights/gguf_names.py, the GGUF helper's)")
     folder = str(model_dirs(family))
     floats = load(folder, device="cpu", dtype="float32").model
     quantized = load(folder, device="cpu", dtype="float32", weights="q8_0").model

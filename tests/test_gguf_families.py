@@ -23,7 +23,7 @@ from twice.core.cache import KVCache
 from twice.core.engine import Engine, GenerationSettings, Request
 from twice.weights.gguf_file import read_gguf
 from twice.weights.gguf_names import gguf_name, hf_name
-from twice.weights.gguf_write import ARCHITECTURES
+from twice.core.models import GGUF_FORMS
 from twice.weights.load import load
 
 torch.set_grad_enabled(False)
@@ -61,9 +61,10 @@ def reference(folder: Path, path: Path, arch: str):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     types = {t.name: t.tensor_type for t in read_gguf(path).tensors}
-    layers = model.config.num_hidden_layers
+    layers, model_type = model.config.num_hidden_layers, model.config.model_type
+    assert GGUF_FORMS[model_type].arch == arch
     for name, p in model.named_parameters():
-        g = gguf_name(name, arch, layers)
+        g = gguf_name(name, model_type, layers)
         if g == "output.weight" and g not in types:
             g = "token_embd.weight"
         values = np.ascontiguousarray(p.detach().numpy(), dtype=np.float32)
@@ -106,12 +107,12 @@ def test_every_checkpoint_tensor_has_a_gguf_name_and_back(model_dirs, family):
     """Every tensor the family's targets() read has a GGUF name in the one table, and that name
     reads back as the same checkpoint name."""
     ours = load(str(model_dirs(family)), device="cpu", dtype="float32")
-    arch, layers = ARCHITECTURES[ours.config.model_type], ours.config.num_hidden_layers
-    assert arch == GGUF_FAMILIES[family]
+    model_type, layers = ours.config.model_type, ours.config.num_hidden_layers
+    assert GGUF_FORMS[model_type].arch == GGUF_FAMILIES[family]
     for hf in ours.model.targets():
-        g = gguf_name(hf, arch, layers)
+        g = gguf_name(hf, model_type, layers)
         assert g is not None, hf
-        assert hf_name(g, layers, arch) == hf
+        assert hf_name(g, layers, model_type) == hf
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)

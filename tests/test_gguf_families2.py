@@ -315,14 +315,17 @@ def moe_reference(folder: Path, path: Path, arch: str = "llama"):
 
     from twice.weights.gguf_names import gguf_name
 
+    from twice.core.models import GGUF_FORMS
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert GGUF_FORMS[model.config.model_type].arch == arch
     types = {t.name: t.tensor_type for t in read_gguf(path).tensors}
     for name, p in model.named_parameters():
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if m and m[2] in _MOE_IN_MEMORY:
             g = f"blk.{m[1]}.{_MOE_IN_MEMORY[m[2]]}.weight"
         else:
-            g = gguf_name(name, arch, model.config.num_hidden_layers)
+            g = gguf_name(name, model.config.model_type, model.config.num_hidden_layers)
         values = np.ascontiguousarray(p.detach().numpy(), dtype=np.float32)
         flat = values.reshape(-1, values.shape[-1])
         p.copy_(torch.from_numpy(np.ascontiguousarray(_round_trip(flat, types[g]))).reshape(p.shape))

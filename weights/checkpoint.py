@@ -390,14 +390,10 @@ def _check_shape(tf: TensorFile, name: str, target: Target, param: torch.Tensor)
     """The part of `param` that tensor `name` fills, after checking the tensor's shape (in
     its file's header) against it."""
     dest = param if target.rows is None else param[target.row : target.row + target.rows]
-    expected = list(dest.shape[::-1]) if target.transpose else list(dest.shape)
-    if target.stored_shape is not None:  # stacked experts: the same values, grouped by expert
-        expected = list(target.stored_shape)
-    if target.source is not None:  # this rank keeps a slice: the file holds the whole tensor
-        expected[target.source.dim] = target.source.total
+    expected = target.checkpoint_shape(tuple(param.shape))
     shape = tf.shape(name)
-    if shape != tuple(expected):
-        raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {expected}")
+    if shape != expected:
+        raise WeightsError(f"{tf.path}: tensor {name!r} has shape {list(shape)}, the config implies {list(expected)}")
     return dest
 
 

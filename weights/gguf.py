@@ -17,10 +17,10 @@ Three things llama.cpp changed on the way in are undone here:
 * the tokenizer is rebuilt as a `tokenizers` pipeline from its vocabulary and merges, with
   the pre-tokenizer its `tokenizer.ggml.pre` name stands for.
 
-Only what can be converted exactly is accepted: the llama (also Mixtral: llama with stacked
-experts, read one slice per expert), qwen2, qwen3, gpt2, olmo2, phi3, gemma2 and gemma3
-architectures (and qwen3moe, qwen2moe) with the tokenizers gguf_tokenizer.py rebuilds (gemma's norms hold w + 1 in the
-file: the 1 is subtracted). Anything else is refused with a one-line `UnsupportedModelError`;
+Only what can be converted exactly is accepted: the architectures the model families declare
+GGUF forms for (core/family.GgufForm: their names, their own metadata keys; Mixtral is llama
+with stacked experts, read one slice per expert; gemma's norms hold w + 1 in the file: the 1 is
+subtracted), with the tokenizers gguf_tokenizer.py rebuilds. Anything else is refused with a one-line `UnsupportedModelError`;
 a file that is not a GGUF, is cut short, is laid out as llama.cpp would refuse (gguf_file.py)
 or lacks a required key is a `WeightsError`. The
 folder appears at `dest` only once it is complete (it is written beside it and renamed).
@@ -44,19 +44,10 @@ import torch
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
 from .gguf_file import Skipped, read_gguf
-from .gguf_metadata import positive_float, positive_int, require, token_id
-from .gguf_names import GEMMA_ARCHITECTURES, GPT2_CONV1D, hf_name
+from .gguf_metadata import Metadata, positive_int, require, token_id
+from .gguf_names import hf_name
 from .gguf_tokenizer import build_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "olmo2", "phi3", "gemma2", "gemma3", "qwen3moe",
-                           "qwen2moe")
-# GGUF architecture → the Hugging Face class its config names.
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM",
-                     "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                     "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
-# GGUF architecture → the Hugging Face model_type (where they differ).
-_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -154,225 +145,80 @@ def _find_tensor(reader, name: str):
 
 def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], Any] = lambda name: None) -> dict:
     """config.json for the Hugging Face model of the file's architecture, from its `ARCH.*`
-    metadata (and the tensors llama.cpp keeps settings in, by `find(name)`: phi3's RoPE factors)."""
+    metadata (and the tensors llama.cpp keeps settings in, by `find(name)`: phi3's RoPE
+    factors): the keys every llama-like architecture shares here, the family's own by its
+    GGUF form (core/family.GgufForm.read)."""
+    from twice.core import models
+
     arch = require(metadata, "general.architecture", src)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
     experts = metadata.get(f"{arch}.expert_count", 0)
-    if experts and arch not in ("llama", "qwen3moe", "qwen2moe"):
+    found = models.gguf_form_of_file(arch, bool(experts))
+    if found is None:
+        raise UnsupportedModelError(
+            f"{src}: GGUF architecture {arch!r} is not supported; supported: {', '.join(models.GGUF_ARCHITECTURES)}"
+        )
+    model_type, form = found
+    if experts and not form.experts:
         raise UnsupportedModelError(f"{src}: mixture-of-experts {arch} models are not supported (Mixtral, as "
                                     "llama with experts, is)")
-    if arch == "gpt2":
-        return _gpt2_config(metadata, src)
+    m = Metadata(metadata, src, arch, find)
+    config = {"architectures": [form.hf_class], "model_type": model_type, "vocab_size": _vocab_size(metadata, arch, src)}
+    if form.shared_keys:
+        config.update(_shared_config(m, models.family(model_type).partial_rotary))
+    form.read(config, m)
+    config["tie_word_embeddings"] = True  # settled by _plan_tensors once it has seen output.weight
+    if form.shared_keys:
+        scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, config["rope_theta"],
+                                                                              config["head_dim"], src)
+        if scaling and "rope_scaling" in config:
+            raise UnsupportedModelError(f"{src}: {arch} with both longrope factors and RoPE scaling keys is not "
+                                        "supported")
+        if scaling:
+            config["rope_scaling"] = scaling
+    return _with_special_ids(config, metadata, config["vocab_size"], src)
 
-    hidden = positive_int(metadata, f"{arch}.embedding_length", src)
-    heads = positive_int(metadata, f"{arch}.attention.head_count", src)
-    kv_heads = _kv_heads(metadata, f"{arch}.attention.head_count_kv", heads, src)
+
+def _shared_config(m: Metadata, partial_rotary: bool) -> dict:
+    """The keys every llama-like architecture shares: sizes, heads, the RMSNorm epsilon, the
+    RoPE base (and which dimensions rotate: all, except in a family with partial rotary)."""
+    src, arch = m.src, m.arch
+    hidden = m.int("embedding_length")
+    heads = m.int("attention.head_count")
+    kv_heads = m.kv_heads(heads)
     if heads % kv_heads:
         raise WeightsError(f"{src}: {heads} attention heads is not a multiple of {kv_heads} key/value heads")
-    if hidden % heads and f"{arch}.attention.key_length" not in metadata:
+    if hidden % heads and "attention.key_length" not in m:
         raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
-    head_dim = positive_int(metadata, f"{arch}.attention.key_length", src, default=hidden // heads)
-    if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+    head_dim = m.int("attention.key_length", default=hidden // heads)
+    if m.get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which {arch} cannot express")
     # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them
     # (phi3: partial_rotary_factor of them).
-    rotary = metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if arch == "phi3" and isinstance(rotary, int) and not isinstance(rotary, bool) and 0 < rotary <= head_dim \
+    rotary = m.get("rope.dimension_count", head_dim)
+    if partial_rotary and isinstance(rotary, int) and not isinstance(rotary, bool) and 0 < rotary <= head_dim \
             and rotary % 2 == 0:
         pass
     elif rotary != head_dim:
         raise UnsupportedModelError(
-            f"{src}: partial rotary embeddings (rope.dimension_count "
-            f"{metadata[f'{arch}.rope.dimension_count']} of head_dim {head_dim}) are not supported"
+            f"{src}: partial rotary embeddings (rope.dimension_count {m.get('rope.dimension_count')} of head_dim "
+            f"{head_dim}) are not supported"
         )
     if head_dim % 2:
         raise WeightsError(f"{src}: head dimension {head_dim} must be even for rotary embeddings")
-
-    vocab_size = _vocab_size(metadata, arch, src)
-    rope_theta = positive_float(metadata, f"{arch}.rope.freq_base", src, default=10000.0)
-
-    config = {
-        "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": _MODEL_TYPES.get(arch, arch),
-        "vocab_size": vocab_size,
+    return {
         "hidden_size": hidden,
-        "intermediate_size": positive_int(metadata, f"{arch}.feed_forward_length", src),
-        "num_hidden_layers": positive_int(metadata, f"{arch}.block_count", src),
+        "intermediate_size": m.int("feed_forward_length"),
+        "num_hidden_layers": m.int("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": positive_int(metadata, f"{arch}.context_length", src),
-        "rms_norm_eps": positive_float(metadata, f"{arch}.attention.layer_norm_rms_epsilon", src),
-        "rope_theta": rope_theta,
+        "max_position_embeddings": m.int("context_length"),
+        "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon"),
+        "rope_theta": m.float("rope.freq_base", default=10000.0),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
     }
-    if arch == "phi3":
-        _phi3_config(config, metadata, rotary, find, src)
-    if arch in ("gemma2", "gemma3"):
-        _gemma_config(config, metadata, arch, src)
-    if experts and arch == "llama":
-        _mixtral_config(config, metadata, src)
-    if arch == "qwen3moe":
-        _qwen3moe_config(config, metadata, src)
-    if arch == "qwen2moe":
-        _qwen2moe_config(config, metadata, src)
-    if arch == "olmo2":  # its MLP has no bias setting; no sliding windows (OLMo 3's are another arch)
-        del config["mlp_bias"]
-        if metadata.get("olmo2.attention.sliding_window"):
-            raise UnsupportedModelError(f"{src}: olmo2 with sliding-window layers (OLMo 3) is not supported")
-    scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, rope_theta, head_dim, src)
-    if scaling and "rope_scaling" in config:
-        raise UnsupportedModelError(f"{src}: phi3 with both longrope factors and RoPE scaling keys is not supported")
-    if scaling:
-        config["rope_scaling"] = scaling
-    return _with_special_ids(config, metadata, vocab_size, src)
-
-
-def _phi3_config(config: dict, metadata: dict, rotary: int, find, src: Path) -> None:
-    """Phi-3 as llama.cpp's converter writes it (Phi3MiniModel): partial rotary as
-    rope.dimension_count, longrope's factors as the rope_factors_long/short tensors with the
-    original context in rope.scaling.original_context_length, the window as
-    attention.sliding_window (0: none), no biases."""
-    del config["attention_bias"], config["mlp_bias"]
-    config["partial_rotary_factor"] = rotary / config["head_dim"]
-    window = metadata.get("phi3.attention.sliding_window", 0)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise WeightsError(f"{src}: metadata phi3.attention.sliding_window must be a whole number, got {window!r}")
-    config["sliding_window"] = window or None
-    long, short = find("rope_factors_long.weight"), find("rope_factors_short.weight")
-    if (long is None) != (short is None):
-        raise WeightsError(f"{src}: phi3 needs both rope_factors_long.weight and rope_factors_short.weight, or neither")
-    if long is None:
-        return
-    import gguf
-
-    factors = {}
-    for key, t in (("long_factor", long), ("short_factor", short)):
-        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
-        if values.size != rotary // 2 or not np.isfinite(values).all() or (values <= 0).any():
-            raise WeightsError(f"{src}: {t.name} must hold {rotary // 2} positive factors, got {values.size} values")
-        factors[key] = [float(v) for v in values.astype(np.float32)]
-    original = positive_int(metadata, "phi3.rope.scaling.original_context_length", src)
-    config["original_max_position_embeddings"] = original
-    config["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
-    # llama.cpp scales attention by rope.scaling.attn_factor; the converter writes the value
-    # longrope implies, which stays implied (exact) unless the file says otherwise.
-    scale = config["max_position_embeddings"] / original
-    implied = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
-    given = positive_float(metadata, "phi3.rope.scaling.attn_factor", src, default=implied)
-    if abs(given - implied) > 1e-6 * implied:
-        config["rope_scaling"]["attention_factor"] = float(given)
-
-
-def _mixtral_config(config: dict, metadata: dict, src: Path) -> None:
-    """Mixtral as llama.cpp holds it: the llama architecture with expert_count experts of
-    feed_forward_length rows, expert_used_count per token (softmax, top-k, renormalized), every
-    layer sparse, no window."""
-    experts = positive_int(metadata, "llama.expert_count", src)
-    used = positive_int(metadata, "llama.expert_used_count", src)
-    if used > experts:
-        raise WeightsError(f"{src}: llama.expert_used_count {used} exceeds llama.expert_count {experts}")
-    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
-                  num_experts_per_tok=used, sliding_window=None)
-    del config["attention_bias"], config["mlp_bias"]
-
-
-def _qwen3moe_config(config: dict, metadata: dict, src: Path) -> None:
-    """Qwen3-MoE as llama.cpp runs it (models/qwen3moe.cpp): every layer sparse, experts of
-    expert_feed_forward_length rows, the top-k weights always renormalized, q/k norms per head."""
-    experts = positive_int(metadata, "qwen3moe.expert_count", src)
-    used = positive_int(metadata, "qwen3moe.expert_used_count", src)
-    if used > experts:
-        raise WeightsError(f"{src}: qwen3moe.expert_used_count {used} exceeds qwen3moe.expert_count {experts}")
-    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
-                  mlp_only_layers=[], moe_intermediate_size=positive_int(metadata, "qwen3moe.expert_feed_forward_length",
-                                                                          src))
-    del config["mlp_bias"]
-
-
-def _qwen2moe_config(config: dict, metadata: dict, src: Path) -> None:
-    """Qwen2-MoE as llama.cpp runs it (src/models/qwen2moe.cpp): every layer sparse, the top-k
-    softmax weights never renormalized, a shared expert (expert_shared_feed_forward_length rows,
-    feed_forward_length where absent) behind its sigmoid gate, q/k/v biases, no window."""
-    experts = positive_int(metadata, "qwen2moe.expert_count", src)
-    used = positive_int(metadata, "qwen2moe.expert_used_count", src)
-    if used > experts:
-        raise WeightsError(f"{src}: qwen2moe.expert_used_count {used} exceeds qwen2moe.expert_count {experts}")
-    inter = config["intermediate_size"]
-    config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=False, decoder_sparse_step=1,
-                  mlp_only_layers=[], qkv_bias=True, use_sliding_window=False,
-                  moe_intermediate_size=positive_int(metadata, "qwen2moe.expert_feed_forward_length", src,
-                                                     default=max(inter // used, 1)),
-                  shared_expert_intermediate_size=positive_int(metadata, "qwen2moe.expert_shared_feed_forward_length",
-                                                               src, default=inter))
-    del config["attention_bias"], config["mlp_bias"]
-
-
-# Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
-# (hidden / heads) ** -0.5; every other size by head_dim ** -0.5 (models/gemma2.cpp, gemma3.cpp).
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# llama.cpp's sliding pattern where the file has none: every n-th layer global (gemma2 2, gemma3 6).
-_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
-
-
-def gemma_query_scalar(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
-    """The query_pre_attn_scalar llama.cpp's gemma graphs imply (no key holds it)."""
-    return hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
-
-
-def gemma_sliding_layers(metadata: dict, arch: str, layers: int, src: Path) -> list[bool]:
-    """Which layers slide, as llama.cpp reads them: attention.sliding_window_pattern as one flag
-    per layer, or as n (every n-th layer global), else the architecture's default n; gemma3
-    without a window (0 or absent) has no sliding layer."""
-    window = metadata.get(f"{arch}.attention.sliding_window")
-    if arch == "gemma3" and not window:
-        return [False] * layers
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
-    if isinstance(pattern, list):
-        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
-            raise WeightsError(f"{src}: {arch}.attention.sliding_window_pattern must hold one flag per layer "
-                               f"({layers}), got {len(pattern)} values")
-        return list(pattern)
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
-        raise WeightsError(f"{src}: {arch}.attention.sliding_window_pattern must be a whole number, got {pattern!r}")
-    return [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-
-
-def _gemma_config(config: dict, metadata: dict, arch: str, src: Path) -> None:
-    """Gemma 2 / 3 as llama.cpp reads them (Gemma2Model / Gemma3Model write them): GeGLU, the
-    soft-caps (gemma2: attention 50 and final 30 unless the file says; gemma3: a final cap only
-    where the file has one), the window and sliding layers, gemma3's local RoPE base
-    (rope.freq_base_swa, default 10000) beside the global one and its linear scaling;
-    query_pre_attn_scalar as llama.cpp derives it."""
-    del config["mlp_bias"]
-    config["hidden_activation"] = "gelu_pytorch_tanh"
-    del config["hidden_act"]
-    layers = config["num_hidden_layers"]
-    config["query_pre_attn_scalar"] = gemma_query_scalar(arch, layers, config["hidden_size"],
-                                                         config["num_attention_heads"], config["head_dim"])
-    final = metadata.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
-    if isinstance(final, bool) or not isinstance(final, (int, float)) or not math.isfinite(final) or final < 0:
-        raise WeightsError(f"{src}: metadata {arch}.final_logit_softcapping must be a number >= 0, got {final!r}")
-    config["final_logit_softcapping"] = float(final) or None
-    if arch == "gemma2":
-        config["attn_logit_softcapping"] = positive_float(metadata, "gemma2.attn_logit_softcapping", src, default=50.0)
-        if metadata.get("gemma2.rope.freq_base_swa", config["rope_theta"]) != config["rope_theta"]:
-            raise UnsupportedModelError(f"{src}: gemma2 with a separate sliding-layer RoPE base is not supported")
-    else:
-        config["rope_local_base_freq"] = positive_float(metadata, "gemma3.rope.freq_base_swa", src, default=10000.0)
-    sliding = gemma_sliding_layers(metadata, arch, layers, src)
-    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    window = metadata.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else 0)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0 or (any(sliding) and window == 0):
-        raise WeightsError(f"{src}: metadata {arch}.attention.sliding_window must be a positive whole number, "
-                           f"got {window!r}")
-    config["sliding_window"] = window or None
 
 
 def _with_special_ids(config: dict, metadata: dict, vocab_size: int, src: Path) -> dict:
@@ -391,53 +237,6 @@ def _vocab_size(metadata: dict, arch: str, src: Path) -> int:
     if f"{arch}.vocab_size" not in metadata and default_vocab is None:
         raise WeightsError(f"{src}: required metadata key {arch}.vocab_size (or tokenizer.ggml.tokens) is missing")
     return positive_int(metadata, f"{arch}.vocab_size", src, default=default_vocab)
-
-
-def _gpt2_config(metadata: dict, src: Path) -> dict:
-    """config.json of a Hugging Face GPT-2 (GPT2LMHeadModel) from `gpt2.*` metadata, as
-    llama.cpp's convert_hf_to_gguf.py writes it (GPT2Model): learned positions (no RoPE
-    keys), LayerNorm with bias and its epsilon, the tanh-approximated GELU llama.cpp runs
-    (transformers' "gelu_new"), one key/value head per attention head. The sizes go under
-    the names both transformers' GPT2Config (through its attribute map) and twice read;
-    the MLP width, epsilon and activation under GPT-2's own (n_inner, layer_norm_epsilon,
-    activation_function)."""
-    hidden = positive_int(metadata, "gpt2.embedding_length", src)
-    heads = positive_int(metadata, "gpt2.attention.head_count", src)
-    kv_heads = _kv_heads(metadata, "gpt2.attention.head_count_kv", heads, src)
-    if kv_heads != heads:
-        raise UnsupportedModelError(f"{src}: gpt2 with {kv_heads} key/value heads for {heads} attention heads "
-                                    "(grouped-query attention) is not supported")
-    if hidden % heads:
-        raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
-    for key in ("key_length", "value_length"):
-        if metadata.get(f"gpt2.attention.{key}", hidden // heads) != hidden // heads:
-            raise UnsupportedModelError(f"{src}: gpt2 attention {key} {metadata[f'gpt2.attention.{key}']!r} is not "
-                                        f"embedding_length / head_count ({hidden // heads}), which GPT-2 cannot express")
-    vocab_size = _vocab_size(metadata, "gpt2", src)
-    config = {
-        "architectures": [_HF_ARCHITECTURES["gpt2"]],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "num_hidden_layers": positive_int(metadata, "gpt2.block_count", src),
-        "num_attention_heads": heads,
-        "max_position_embeddings": positive_int(metadata, "gpt2.context_length", src),
-        "n_inner": positive_int(metadata, "gpt2.feed_forward_length", src),
-        "layer_norm_epsilon": positive_float(metadata, "gpt2.attention.layer_norm_epsilon", src),
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": True,  # settled by _plan_tensors once it has seen output.weight
-    }
-    return _with_special_ids(config, metadata, vocab_size, src)
-
-
-def _kv_heads(metadata: dict, key: str, heads: int, src: Path) -> int:
-    """head_count_kv is a number, or (in some files) one number per layer."""
-    value = metadata.get(key, heads)
-    if isinstance(value, list):
-        if not value or len(set(value)) != 1:
-            raise UnsupportedModelError(f"{src}: a different number of key/value heads per layer is not supported")
-        value = value[0]
-    return positive_int({key: value}, key, src)
 
 
 def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
@@ -581,127 +380,66 @@ class _TensorJob:
         return self.shape[::-1] if self.transpose else self.shape
 
 
-def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape, for every weight a model of this config has (lm_head included):
-    qwen2 adds q/k/v biases, qwen3 q/k norms over each head; gpt2 has its own."""
-    if config["model_type"] == "gpt2":
-        return _gpt2_expected_shapes(config)
-    h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    per_layer = {
-        "input_layernorm": (h,), "post_attention_layernorm": (h,),
-        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
-    }
-    per_layer = {f"{leaf}.weight": shape for leaf, shape in per_layer.items()}
-    if config["model_type"] == "qwen2":
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    if config["model_type"] == "qwen3":
-        d = config["head_dim"]
-        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    if config["model_type"] == "phi3":  # q/k/v and gate/up fused in the checkpoint as in the file
-        for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            del per_layer[f"{leaf}.weight"]
-        per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)})
-    if config["model_type"] == "mixtral":  # every layer's MLP: a router and per-expert w1 (gate), w3 (up), w2 (down)
-        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            del per_layer[f"{leaf}.weight"]
-        per_layer["block_sparse_moe.gate.weight"] = (config["num_local_experts"], h)
-        for e in range(config["num_local_experts"]):
-            per_layer.update({f"block_sparse_moe.experts.{e}.w1.weight": (i, h),
-                              f"block_sparse_moe.experts.{e}.w3.weight": (i, h),
-                              f"block_sparse_moe.experts.{e}.w2.weight": (h, i)})
-    if config["model_type"] == "qwen3_moe":  # qwen3's attention; every layer: a router and per-expert MLPs
-        d, m = config["head_dim"], config["moe_intermediate_size"]
-        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            del per_layer[f"{leaf}.weight"]
-        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-                          "mlp.gate.weight": (config["num_experts"], h)})
-        for e in range(config["num_experts"]):
-            per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (m, h), f"mlp.experts.{e}.up_proj.weight": (m, h),
-                              f"mlp.experts.{e}.down_proj.weight": (h, m)})
-    if config["model_type"] == "qwen2_moe":  # qwen2's biases; every layer: a router, experts and a shared expert
-        m, sh = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
-        for leaf in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            del per_layer[f"{leaf}.weight"]
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-                          "mlp.gate.weight": (config["num_experts"], h), "mlp.shared_expert_gate.weight": (1, h),
-                          "mlp.shared_expert.gate_proj.weight": (sh, h), "mlp.shared_expert.up_proj.weight": (sh, h),
-                          "mlp.shared_expert.down_proj.weight": (h, sh)})
-        for e in range(config["num_experts"]):
-            per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (m, h), f"mlp.experts.{e}.up_proj.weight": (m, h),
-                              f"mlp.experts.{e}.down_proj.weight": (h, m)})
-    if config["model_type"] in GEMMA_ARCHITECTURES:  # sandwich norms; gemma3: per-head q/k norms
-        per_layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
-        if config["model_type"] != "gemma2":
-            d = config["head_dim"]
-            per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    if config["model_type"] == "olmo2":  # norms after attention and MLP; q/k norms over the whole projections
-        del per_layer["input_layernorm.weight"]
-        per_layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
-                          "self_attn.k_norm.weight": (kv,)})
-    for layer in range(config["num_hidden_layers"]):
-        for leaf, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{leaf}"] = shape
-    return shapes
+def _expected(config: dict, src: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """HF name → (its shape in a checkpoint, its Target), for every checkpoint tensor a model of
+    this config reads: the family's own map (its targets() on the meta device), so no list of
+    weights per family is kept here. Names that fill the same place (GPT-2's with and without
+    "transformer.", a head tied to the embedding) share a Target."""
+    from twice.core.config import config_from_dict
+    from twice.core.models import meta_model
 
-
-def _gpt2_expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """GPT2LMHeadModel's weights in its checkpoint layout (Conv1D matrices [in, out]), in
-    the order transformers saves them; biases everywhere, LayerNorms with bias."""
-    h, v, i = config["hidden_size"], config["vocab_size"], config["n_inner"]
-    shapes = {"transformer.wte.weight": (v, h), "transformer.wpe.weight": (config["max_position_embeddings"], h)}
-    per_layer = {
-        "ln_1.weight": (h,), "ln_1.bias": (h,),
-        "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
-        "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,),
-        "ln_2.weight": (h,), "ln_2.bias": (h,),
-        "mlp.c_fc.weight": (h, i), "mlp.c_fc.bias": (i,),
-        "mlp.c_proj.weight": (i, h), "mlp.c_proj.bias": (h,),
-    }
-    for layer in range(config["num_hidden_layers"]):
-        for leaf, shape in per_layer.items():
-            shapes[f"transformer.h.{layer}.{leaf}"] = shape
-    shapes.update({"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,), "lm_head.weight": (v, h)})
-    return shapes
+    model = meta_model(config_from_dict(config, str(src)))
+    params = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    return {name: (places[0].checkpoint_shape(params[places[0].param]), places[0])
+            for name, places in model.placements().items()}
 
 
 def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> list[_TensorJob]:
     """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
     up front, so a file that cannot be converted is refused before anything is written."""
-    layers, count = config["num_hidden_layers"], len(reader.tensors)
+    from twice.core.models import GGUF_FORMS
+
+    from .gguf_names import reads_as
+
+    layers, count, model_type = config["num_hidden_layers"], len(reader.tensors), config["model_type"]
     if layers > count:  # checked before listing every expected weight: the count may be absurd
         raise WeightsError(f"{src}: metadata says {layers} layers (block_count) but the file holds only {count} tensors")
-    expected = _expected_shapes(config)
+    form = GGUF_FORMS[model_type]
+    expected = _expected(config, src)
     found: dict[str, _TensorJob] = {}
     for tensor in _expert_slices(reader.tensors, config, src):
         if tensor.name in _CONSUMED_TENSORS:
             continue
-        name = getattr(tensor, "hf", None) or hf_name(tensor.name, config["num_hidden_layers"], config["model_type"])
+        name = getattr(tensor, "hf", None) or hf_name(tensor.name, layers, model_type)
         if name is None:
             raise UnsupportedModelError(
-                f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model (experts and "
+                f"{src}: tensor {tensor.name} has no counterpart in a {model_type} model (experts and "
                 "extra layers are not supported)"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         if name not in expected:
-            raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {config['model_type']} model")
-        transpose = config["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
-        want = expected[name][::-1] if transpose else expected[name]
-        if shape != want:
-            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(want)}")
+            raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {model_type} model")
+        want, target = expected[name]
+        transpose = target.transpose  # GPT-2's Conv1D: [in, out] in the checkpoint, [out, in] in the file
+        if shape != (want[::-1] if transpose else want):
+            raise WeightsError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected "
+                               f"{list(want[::-1] if transpose else want)}")
         _check_quantization(tensor, src) if dequantized else _check_stored_type(tensor, shape, src)
-        shift = 1.0 if config["model_type"] in GEMMA_ARCHITECTURES and name.endswith("norm.weight") else 0.0
-        found[name] = _TensorJob(tensor, name, expected[name], _permuted_heads(tensor.name, config), transpose, shift)
+        shift = form.norm_shift if name.endswith("norm.weight") else 0.0
+        found[name] = _TensorJob(tensor, name, want, _permuted_heads(tensor.name, config, form.permuted_qk), transpose,
+                                 shift)
 
     config["tie_word_embeddings"] = "lm_head.weight" not in found
-    missing = [n for n in expected if n not in found and n != "lm_head.weight"]
+    filled = {expected[n][1].key for n in found}
+    missing: dict[Any, str] = {}  # each unfilled place, by the name the file would give it
+    for name, (_, target) in expected.items():
+        if target.key not in filled and (target.key not in missing or reads_as(name, model_type, layers)):
+            missing[target.key] = name
     if missing:
+        first = next(iter(missing.values()))
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise WeightsError(f"{src}: tensor for {missing[0]}{more} is missing")
-    return [found[n] for n in expected if n in found]  # HF order: embeddings, layers, norm, head
+        raise WeightsError(f"{src}: tensor for {first}{more} is missing")
+    return [found[n] for n in expected if n in found]  # the family's order: embeddings, layers, norm, head
 
 
 def _expert_slices(tensors, config: dict, src: Path):
@@ -729,10 +467,11 @@ def _expert_slices(tensors, config: dict, src: Path):
             yield piece
 
 
-def _permuted_heads(gguf_name: str, config: dict) -> int:
-    """llama.cpp permuted q_proj per attention head and k_proj per key/value head, for the
-    llama architecture only (its RoPE rotates adjacent pairs there; qwen's rotates halves)."""
-    if config["model_type"] not in ("llama", "mixtral"):  # mixtral: llama.cpp's llama architecture
+def _permuted_heads(gguf_name: str, config: dict, permuted: bool) -> int:
+    """llama.cpp permuted q_proj per attention head and k_proj per key/value head where its
+    architecture's RoPE rotates adjacent pairs (its llama: the form's permuted_qk; qwen's
+    rotates halves)."""
+    if not permuted:
         return 0
     if gguf_name.endswith(".attn_q.weight"):
         return config["num_attention_heads"]

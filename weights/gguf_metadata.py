@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from twice.core.config import MAX_SIZE
-from twice.core.errors import WeightsError
+from twice.core.errors import UnsupportedModelError, WeightsError
 
 
 def require(metadata: dict, key: str, src: Path) -> Any:
@@ -54,3 +54,50 @@ def string_list(metadata: dict, key: str, src: Path) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise WeightsError(f"{src}: metadata {key} must be a list of strings")
     return value
+
+
+class Metadata:
+    """A file's `ARCH.*` metadata and settings tensors as a family's GGUF form reads them
+    (core/family.GgufForm.read): keys relative to the architecture ("attention.head_count" is
+    `llama.attention.head_count` in a llama file), each bad value one WeightsError naming the
+    file and the whole key."""
+
+    def __init__(self, metadata: dict, src: Path, arch: str, find=lambda name: None):
+        self.metadata, self.src, self.arch, self._find = metadata, src, arch, find
+
+    def key(self, key: str) -> str:
+        return f"{self.arch}.{key}"
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(self.key(key), default)
+
+    def __contains__(self, key: str) -> bool:
+        return self.key(key) in self.metadata
+
+    def int(self, key: str, default: int | None = None) -> int:
+        return positive_int(self.metadata, self.key(key), self.src, default)
+
+    def float(self, key: str, default: float | None = None) -> float:
+        return positive_float(self.metadata, self.key(key), self.src, default)
+
+    def kv_heads(self, heads: int) -> int:
+        """attention.head_count_kv: a number, or (in some files) one number per layer."""
+        key = self.key("attention.head_count_kv")
+        value = self.metadata.get(key, heads)
+        if isinstance(value, list):
+            if not value or len(set(value)) != 1:
+                raise UnsupportedModelError(f"{self.src}: a different number of key/value heads per layer is not "
+                                            "supported")
+            value = value[0]
+        return positive_int({key: value}, key, self.src)
+
+    def values(self, tensor: str):
+        """The values of a settings tensor (phi3's RoPE factors) as float64, or None if the
+        file has no tensor of that name."""
+        t = self._find(tensor)
+        if t is None:
+            return None
+        import gguf
+        import numpy as np
+
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()

@@ -15,21 +15,11 @@ and llama-quantize write:
   GPT-2's Conv1D matrices transposed; each in the type the mixture gives it (norms, biases
   and every 1-D tensor stay F32, as llama.cpp keeps them; so do position embeddings).
 
-Architectures: llama (also Mistral and Mixtral, written as llama: llama.cpp has no sliding
-window for them, so a window shorter than the context is refused, as for qwen2/qwen3), qwen2, qwen3, gpt2, olmo2 (not permuted: llama.cpp rotates halves there, as HF does),
-phi3 (fused attn_qkv and ffn_up = gate|up as in the checkpoint; partial rotary as
-rope.dimension_count, the window as attention.sliding_window (0: none), longrope as the
-rope_factors_long/short tensors with rope.scaling.original_context_length and attn_factor,
-as Phi3MiniModel writes them), gemma2 and gemma3 (gemma3_text): every norm's weight + 1 as
-Gemma2Model/Gemma3Model write it, the soft-caps, the window and the sliding layers (one flag per
-layer, attention.sliding_window_pattern), gemma3's local RoPE base (rope.freq_base_swa); a
-query_pre_attn_scalar other than the one llama.cpp derives (head_dim; hidden / heads for the
-27B's layer count) is refused, as is a gemma2 with an untied head or without caps; mixtral (as
-llama with llama.expert_count / expert_used_count), qwen3moe and qwen2moe: each layer's per-expert
-tensors stacked into ffn_{gate,up,down}_exps [experts, rows, cols], the router ffn_gate_inp F32
-(qwen2moe: its shared expert as ffn_{gate,up,down}_shexp, the shared expert's gate
-ffn_gate_inp_shexp F32; llama.cpp's qwen2moe never renormalizes the top-k weights, makes every
-layer sparse, has no window and needs its own output tensor).
+Architectures: those the model families declare GGUF forms for (core/family.GgufForm, in each
+family's file: its architecture name, tensor names, own metadata keys and what llama.cpp's graph
+cannot express). Mistral and Mixtral are written as llama, whose graph has no sliding window,
+so a window shorter than the context is refused (as for qwen2/qwen3); a mixture of experts'
+per-expert tensors are stacked into ffn_{gate,up,down}_exps [experts, rows, cols].
 Everything that can be refused is checked before a byte is written; the file is written
 beside OUT and renamed (safe_write.atomic_file), tensor by tensor (one
 tensor's float values in memory at a time), so a failure midway leaves nothing behind.
@@ -53,7 +43,7 @@ from twice.core.config import ModelConfig
 from twice.core.errors import ConfigError, TokenizerError, TwiceError, UnsupportedModelError, WeightsError
 from twice.core.fields import show
 
-from .gguf_names import GPT2_CONV1D, gguf_name
+from .gguf_names import gguf_name
 
 # general.file_type (llama_ftype) of each mixture; the mixtures and their per-tensor rules are
 # core/quant/mixes.py's.
@@ -62,16 +52,20 @@ FILE_TYPES: dict[str, int] = {
     "q2_k": 10, "q3_k_m": 12, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18,
 }
 
-# twice's model_type → llama.cpp's architecture name
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-                 "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                 "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
-# Where a model's tensor names are not its architecture's table (gguf_names.TABLES).
-_NAMES = {"mixtral": "mixtral"}
-# Quantized in memory by llama.cpp's rules under these names (gguf_names.TABLES), but not yet
-# written as files (the writer would have to stack their experts as llama.cpp does).
-# gemma3 image-text checkpoints: their text model quantizes as gemma3_text's (files: not written).
-_IN_MEMORY_ONLY = {"gemma3": "gemma3"}
+
+def _form(model_type: str, where, memory: bool = False):
+    """The GGUF form of a model type (core/family.GgufForm): one a file is written of, or with
+    `memory`, one --quantize follows llama.cpp's rules for in memory; UnsupportedModelError
+    for the rest."""
+    from twice.core.models import GGUF_FORMS
+
+    form = GGUF_FORMS.get(model_type)
+    if form is None or not (form.writes or memory):
+        what = "has no GGUF form" if memory else "cannot be written as GGUF"
+        raise UnsupportedModelError(f"{where}: model type {model_type!r} {what}")
+    return form
+
+
 # What convert_hf_to_gguf.py writes as tokenizer.ggml.pre for each pre-tokenizer (see _pre_name).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -163,13 +157,12 @@ def write_gguf(folder: Path, out: Path, mixture: str, *, overwrite: bool = False
     _check_destination(out, overwrite)
     config = read_config(folder)
     raw = read_json(folder / "config.json", ConfigError)
-    arch = ARCHITECTURES.get(config.model_type)
-    if arch is None:
-        raise UnsupportedModelError(f"{folder}: model type {config.model_type!r} cannot be written as GGUF")
-    _check_supported(config, raw, folder)
-    metadata = _model_metadata(config, raw, arch, mixture, name or folder.name)
+    form = _form(config.model_type, folder)
+    arch = form.arch
+    _check_supported(config, form, folder)
+    metadata = _model_metadata(config, raw, form, mixture, name or folder.name)
     metadata += _tokenizer_metadata(folder, config)
-    plans = _plan(folder, config, arch, mixture, _NAMES.get(config.model_type, arch))
+    plans = _plan(folder, config, form, mixture)
     summary = Summary(str(out), name or str(folder), arch, mixture)
     summary.tensors = len(plans)
     for p in plans:
@@ -196,117 +189,40 @@ def _check_destination(out: Path, overwrite: bool) -> None:
         raise WeightsError(f"{out}: the folder {parent} does not exist")
 
 
-def _check_supported(config: ModelConfig, raw: dict, folder: Path) -> None:
-    """What twice loads but llama.cpp's architecture cannot express is refused here."""
-    if config.model_type == "gpt2":
-        if config.scale_attn_by_inverse_layer_idx or not config.scale_attn_weights:
-            raise UnsupportedModelError(f"{folder}: GPT-2 attention scaling options (scale_attn_weights false, "
-                                        "scale_attn_by_inverse_layer_idx) have no GGUF form")
-        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-            raise UnsupportedModelError(f"{folder}: GPT-2 with activation {config.hidden_act!r} has no GGUF form")
-        return
-    if config.model_type in _GEMMA:
-        _check_gemma(config, folder)
-        return
-    if config.model_type != "phi3" and config.sliding_window is not None \
+def _check_supported(config: ModelConfig, form, folder: Path) -> None:
+    """What twice loads but llama.cpp's architecture cannot express is refused here: the
+    family's own checks (its form's `check`), then a window, an activation or an output
+    bias the architecture has no place for."""
+    form.check(config, folder)
+    if not form.window and config.sliding_window is not None \
             and config.sliding_window < config.max_position_embeddings:
         # llama.cpp's llama (Mistral, Mixtral), qwen2, qwen3 and their MoE architectures have no
         # window: the file would be another model once a prompt outgrows the window
         raise UnsupportedModelError(f"{folder}: {config.model_type} with a sliding window of {config.sliding_window:,} "
-                                    f"tokens has no GGUF form (llama.cpp's {ARCHITECTURES.get(config.model_type, 'llama')} "
-                                    "architecture has no window); --quantize TYPE on generate, chat, batch or serve "
-                                    "quantizes it in memory and keeps the window")
-    if config.model_type == "qwen3_moe":
-        o = config.options
-        if not o.renormalize:
-            raise UnsupportedModelError(f"{folder}: qwen3_moe with norm_topk_prob false has no GGUF form (llama.cpp's "
-                                        "qwen3moe always renormalizes the top-k weights)")
-        if not all(o.sparse):
-            raise UnsupportedModelError(f"{folder}: qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
-                                        "has no GGUF form (llama.cpp's qwen3moe makes every layer sparse)")
-    if config.model_type == "qwen2_moe":  # llama.cpp's qwen2moe (src/models/qwen2moe.cpp)
-        o = config.options
-        if o.renormalize:
-            raise UnsupportedModelError(f"{folder}: qwen2_moe with norm_topk_prob true has no GGUF form (llama.cpp's "
-                                        "qwen2moe never renormalizes the top-k weights)")
-        if not all(o.sparse):
-            raise UnsupportedModelError(f"{folder}: qwen2_moe with dense layers (mlp_only_layers, decoder_sparse_step) "
-                                        "has no GGUF form (llama.cpp's qwen2moe makes every layer sparse)")
-        if not o.shared_intermediate:
-            raise UnsupportedModelError(f"{folder}: qwen2_moe without a shared expert has no GGUF form (llama.cpp's "
-                                        "qwen2moe needs one)")
-        if config.tie_word_embeddings:
-            raise UnsupportedModelError(f"{folder}: qwen2_moe with a tied lm_head has no GGUF form (llama.cpp's "
-                                        "qwen2moe needs its own output tensor)")
-    if config.hidden_act not in ("silu", "swish"):
+                                    f"tokens has no GGUF form (llama.cpp's {form.arch} architecture has no window); "
+                                    "--quantize TYPE on generate, chat, batch or serve quantizes it in memory and "
+                                    "keeps the window")
+    if config.hidden_act not in form.activations:
         raise UnsupportedModelError(f"{folder}: activation {config.hidden_act!r} has no GGUF form for "
-                                    f"{config.model_type} (llama.cpp uses SiLU)")
-    if config.o_bias and config.model_type != "llama":
+                                    f"{config.model_type} (llama.cpp's {form.arch} uses {form.activations[0]})")
+    if config.o_bias and not form.o_bias:
         raise UnsupportedModelError(f"{folder}: an output-projection bias has no GGUF form for {config.model_type}")
-
-
-_GEMMA = ("gemma2", "gemma3_text")
-
-
-def _check_gemma(config: ModelConfig, folder: Path) -> None:
-    """What llama.cpp's gemma2/gemma3 graphs cannot run as transformers does."""
-    from .gguf import gemma_query_scalar
-
-    arch, o = ARCHITECTURES[config.model_type], config.options
-    if config.hidden_act != "gelu_pytorch_tanh":
-        raise UnsupportedModelError(f"{folder}: gemma with hidden_activation {config.hidden_act!r} has no GGUF form "
-                                    "(llama.cpp runs gelu_pytorch_tanh)")
-    if config.qkv_bias or config.o_bias:
-        raise UnsupportedModelError(f"{folder}: gemma with attention_bias has no GGUF form")
-    implied = gemma_query_scalar(arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                                 config.head_dim)
-    if o.query_pre_attn_scalar != implied:
-        raise UnsupportedModelError(f"{folder}: query_pre_attn_scalar {o.query_pre_attn_scalar:g} has no GGUF form: "
-                                    f"llama.cpp scales {arch}'s queries by {implied} ** -0.5 for this size")
-    if arch == "gemma2":
-        if not config.tie_word_embeddings:
-            raise UnsupportedModelError(f"{folder}: gemma2 with an untied lm_head has no GGUF form (llama.cpp's gemma2 "
-                                        "uses the embedding as its head)")
-        if o.attn_logit_softcapping is None or o.final_logit_softcapping is None:
-            raise UnsupportedModelError(f"{folder}: gemma2 without attn_logit_softcapping or final_logit_softcapping "
-                                        "has no GGUF form (llama.cpp's gemma2 always caps)")
-    elif o.local_rope and o.local_rope.get("rope_type", "default") != "default":
-        raise UnsupportedModelError(f"{folder}: gemma3 with RoPE scaling on its sliding layers has no GGUF form")
-
-
-def _gemma_metadata(config: ModelConfig, arch: str) -> list[tuple[str, str, Any]]:
-    """Gemma2Model / Gemma3Model's keys, and the sliding layers as one flag per layer (which
-    llama.cpp reads, for any pattern; the converter leaves llama.cpp's default)."""
-    o = config.options
-    kv: list[tuple[str, str, Any]] = []
-    if arch == "gemma2":
-        kv.append(("gemma2.attn_logit_softcapping", "float32", o.attn_logit_softcapping))
-    if o.final_logit_softcapping is not None:
-        kv.append((f"{arch}.final_logit_softcapping", "float32", o.final_logit_softcapping))
-    sliding = [config.window_for_layer(i) is not None for i in range(config.num_hidden_layers)]
-    if any(sliding):
-        kv += [(f"{arch}.attention.sliding_window", "uint32", config.sliding_window),
-               (f"{arch}.attention.sliding_window_pattern", "bools", sliding)]
-    elif arch == "gemma2":  # llama.cpp's gemma2 slides every other layer unless told
-        kv += [("gemma2.attention.sliding_window", "uint32", config.max_position_embeddings),
-               ("gemma2.attention.sliding_window_pattern", "bools", sliding)]
-    if arch == "gemma3" and o.local_rope is not None:
-        kv.append(("gemma3.rope.freq_base_swa", "float32", float(o.local_rope["rope_theta"])))
-    return kv
 
 
 # -- metadata ------------------------------------------------------------------------------
 
 
-def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, name: str) -> list[tuple[str, str, Any]]:
-    """(key, GGUF value type, value) for general.* and ARCH.*, as convert_hf_to_gguf writes them."""
+def _model_metadata(config: ModelConfig, raw: dict, form, mixture: str, name: str) -> list[tuple[str, str, Any]]:
+    """(key, GGUF value type, value) for general.* and ARCH.*, as convert_hf_to_gguf writes them:
+    the sizes every architecture has, the keys the llama-like ones share, then the family's own
+    (its form's `write`; one of the shared keys there replaces it)."""
     import gguf
 
-    file_type = FILE_TYPES[mixture]
+    arch = form.arch
     kv: list[tuple[str, str, Any]] = [
         ("general.type", "string", "model"),
         ("general.name", "string", name),
-        ("general.file_type", "uint32", file_type),
+        ("general.file_type", "uint32", FILE_TYPES[mixture]),
         ("general.quantization_version", "uint32", gguf.GGML_QUANT_VERSION),
         (f"{arch}.vocab_size", "uint32", config.vocab_size),
         (f"{arch}.context_length", "uint32", config.max_position_embeddings),
@@ -316,28 +232,21 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
         (f"{arch}.attention.head_count", "uint32", config.num_attention_heads),
         (f"{arch}.attention.head_count_kv", "uint32", config.num_key_value_heads),
     ]
-    if arch == "gpt2":
-        kv.append((f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps))
-        return kv
-    kv.append((f"{arch}.attention.layer_norm_rms_epsilon", "float32", config.rms_norm_eps))
-    if raw.get("head_dim") is not None or config.head_dim * config.num_attention_heads != config.hidden_size \
-            or arch in ("gemma2", "gemma3"):
+    if form.shared_keys:
+        kv += _shared_metadata(config, raw, arch)
+    own = form.write(config, raw, arch)
+    replaced = {key for key, _, _ in own}
+    return [e for e in kv if e[0] not in replaced] + own
+
+
+def _shared_metadata(config: ModelConfig, raw: dict, arch: str) -> list[tuple[str, str, Any]]:
+    """The RMSNorm epsilon, the head size where it is not hidden / heads, the RoPE base and its
+    linear or YaRN scaling (llama3's and longrope's are tensors: _settings_tensors)."""
+    kv: list[tuple[str, str, Any]] = [(f"{arch}.attention.layer_norm_rms_epsilon", "float32", config.rms_norm_eps)]
+    if raw.get("head_dim") is not None or config.head_dim * config.num_attention_heads != config.hidden_size:
         kv += [(f"{arch}.attention.key_length", "uint32", config.head_dim),
                (f"{arch}.attention.value_length", "uint32", config.head_dim)]
-    if arch == "llama":
-        kv.append((f"{arch}.rope.dimension_count", "uint32", config.head_dim))
     rope = config.rope_parameters or {}
-    if arch == "phi3":
-        kv += _phi3_metadata(config, raw, rope)
-    if config.model_type in ("mixtral", "qwen3_moe", "qwen2_moe"):
-        kv += [(f"{arch}.expert_count", "uint32", config.options.experts),
-               (f"{arch}.expert_used_count", "uint32", config.options.top_k)]
-    if config.model_type in ("qwen3_moe", "qwen2_moe"):
-        kv.append((f"{arch}.expert_feed_forward_length", "uint32", config.options.expert_intermediate))
-    if config.model_type == "qwen2_moe":
-        kv.append(("qwen2moe.expert_shared_feed_forward_length", "uint32", config.options.shared_intermediate))
-    if arch in ("gemma2", "gemma3"):
-        kv += _gemma_metadata(config, arch)
     kv.append((f"{arch}.rope.freq_base", "float32", float(rope.get("rope_theta", 10000.0))))
     kind = rope.get("rope_type", "default")
     if kind == "linear":
@@ -352,30 +261,6 @@ def _model_metadata(config: ModelConfig, raw: dict, arch: str, mixture: str, nam
             if rope.get(key) is not None:
                 kv.append((f"{arch}.rope.scaling.{gguf_key}", "float32", float(rope[key])))
     return kv
-
-
-def _phi3_metadata(config: ModelConfig, raw: dict, rope: dict) -> list[tuple[str, str, Any]]:
-    """Phi3MiniModel's keys: the rotated dimensions of each head, the original context (always,
-    as the converter writes it), the window (0: none) and longrope's attention factor (its
-    factors are tensors: _phi3_factors)."""
-    kv = [("phi3.rope.dimension_count", "uint32", int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))]
-    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
-        kv.append(("phi3.rope.scaling.original_context_length", "uint32", original))
-    kv.append(("phi3.attention.sliding_window", "uint32", config.sliding_window or 0))
-    if rope.get("rope_type") == "longrope":
-        kv.append(("phi3.rope.scaling.attn_factor", "float32", _longrope_attention_factor(config, rope)))
-    return kv
-
-
-def _longrope_attention_factor(config: ModelConfig, rope: dict) -> float:
-    """The attention scaling longrope implies (transformers' and the converter's formula), or
-    the config's own attention_factor."""
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    original = int(rope["original_max_position_embeddings"])
-    scale = rope.get("factor") or config.max_position_embeddings / original
-    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
 
 
 def _tokenizer_metadata(folder: Path, config: ModelConfig) -> list[tuple[str, str, Any]]:
@@ -604,11 +489,14 @@ def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
             .reshape(weight.shape))
 
 
-def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str, names: str | None = None) -> list[TensorPlan]:
+def _plan(folder: Path, config: ModelConfig, form, mixture: str) -> list[TensorPlan]:
     """Every output tensor, in llama.cpp's order, with its type checked to fit its rows."""
+    from twice.core.models import meta_model
+
     from .checkpoint import checkpoint_files, iter_tensors
 
     files = checkpoint_files(folder, config)
+    arch, targets = form.arch, meta_model(config).placements()
     layers = config.num_hidden_layers
     found: dict[str, TensorPlan] = {}
     stacked: dict[str, dict[int, tuple]] = {}  # stacked expert tensor → expert → (hf, file)
@@ -616,7 +504,7 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str, names: str
     for hf, tf in iter_tensors(files):
         if hf.endswith(_IGNORED):
             continue
-        name = gguf_name(hf, names or arch, layers)
+        name = gguf_name(hf, config.model_type, layers)
         if name is None:
             unknown.append(hf)
             continue
@@ -630,15 +518,15 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str, names: str
             continue  # GPT-2's names with and without "transformer.": the loader checks they agree
         shape = tuple(tf.shape(hf))
         transform = None
-        if arch == "llama" and name.endswith((".attn_q.weight", ".attn_q.bias")):
+        if form.permuted_qk and name.endswith((".attn_q.weight", ".attn_q.bias")):
             transform = ("permute", config.num_attention_heads)
-        elif arch == "llama" and name.endswith((".attn_k.weight", ".attn_k.bias")):
+        elif form.permuted_qk and name.endswith((".attn_k.weight", ".attn_k.bias")):
             transform = ("permute", config.num_key_value_heads)
-        elif arch == "gpt2" and hf.endswith(GPT2_CONV1D):
+        elif hf in targets and targets[hf][0].transpose:  # GPT-2's Conv1D [in, out]: [out, in] in the file
             transform = ("transpose", 0)
             shape = shape[::-1]
-        elif arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
-            transform = ("shift", 1.0)  # gemma's (1 + w) norms hold w + 1 in llama.cpp's files
+        elif form.norm_shift and hf.endswith("norm.weight"):
+            transform = ("shift", form.norm_shift)  # gemma's (1 + w) norms hold w + 1 in llama.cpp's files
         found[name] = TensorPlan(name, shape, "F32", _reader(tf, hf, transform), source=hf)
     for name, by_expert in stacked.items():
         found[name] = _stacked_plan(name, by_expert, config, folder)
@@ -650,7 +538,7 @@ def _plan(folder: Path, config: ModelConfig, arch: str, mixture: str, names: str
             raise WeightsError(f"{folder}: the checkpoint has no tensor for {required}")
     if not config.tie_word_embeddings and "output.weight" not in found:
         raise WeightsError(f"{folder}: the checkpoint has no lm_head.weight (and config.json does not tie it)")
-    extra = [p for p in (_rope_freqs(config, arch),) if p] + _phi3_factors(config, arch)
+    extra = [p for p in (_rope_freqs(config, form),) if p] + _longrope_factors(config, form)
     plans = [found[n] for n in ("token_embd.weight", "position_embd.weight") if n in found] + extra
     plans += [p for n, p in sorted(found.items(), key=lambda kv: _layer_order(kv[0])) if n.startswith("blk.")]
     plans += [found[n] for n in ("output_norm.weight", "output_norm.bias", "output.weight") if n in found]
@@ -697,13 +585,13 @@ def _reader(tf, hf: str, transform) -> Callable[[], torch.Tensor]:
     return read
 
 
-def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
+def _rope_freqs(config: ModelConfig, form) -> TensorPlan | None:
     """Llama 3.1-style RoPE as llama.cpp stores it: the per-frequency divisors, rope_freqs.weight."""
     rope = config.rope_parameters or {}
     if rope.get("rope_type") != "llama3":
         return None
-    if arch != "llama":
-        raise UnsupportedModelError(f"llama3 RoPE scaling has no GGUF form for {arch}")
+    if "llama3" not in form.rope_tensors:
+        raise UnsupportedModelError(f"llama3 RoPE scaling has no GGUF form for {form.arch}")
     from .gguf import _llama3_divisors, llama3_rope_from_divisors
 
     divisors = _llama3_divisors(rope, float(rope["rope_theta"]), config.head_dim).astype(np.float32)
@@ -717,13 +605,13 @@ def _rope_freqs(config: ModelConfig, arch: str) -> TensorPlan | None:
     return TensorPlan("rope_freqs.weight", tuple(values.shape), "F32", lambda: values, source="rope_parameters")
 
 
-def _phi3_factors(config: ModelConfig, arch: str) -> list[TensorPlan]:
+def _longrope_factors(config: ModelConfig, form) -> list[TensorPlan]:
     """longrope's per-pair factors as llama.cpp keeps them: rope_factors_long/short.weight."""
     rope = config.rope_parameters or {}
     if rope.get("rope_type") != "longrope":
         return []
-    if arch != "phi3":
-        raise UnsupportedModelError(f"longrope RoPE scaling has no GGUF form for {arch}")
+    if "longrope" not in form.rope_tensors:
+        raise UnsupportedModelError(f"longrope RoPE scaling has no GGUF form for {form.arch}")
     plans = []
     for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
         values = torch.tensor(rope[key], dtype=torch.float32)
@@ -778,14 +666,12 @@ def memory_types(config: ModelConfig, mixture: str, shapes: dict[str, tuple[int,
     that stay float (position embeddings) are "F32", and a tied head (the embedding) is left
     out. The same rules, fallbacks and one-line refusals as the file."""
     mixture = canonical_mixture(mixture)
-    arch = ARCHITECTURES.get(config.model_type) or _IN_MEMORY_ONLY.get(config.model_type)
-    if arch is None:
-        raise UnsupportedModelError(f"{where}: model type {config.model_type!r} has no GGUF form")
+    arch = _form(config.model_type, where, memory=True).arch
     tied = config.tie_word_embeddings
     choose = _type_chooser(mixture, arch, config, tied, where)
     types: dict[str, str] = {}
     for hf, shape in shapes.items():
-        name = gguf_name(hf, _NAMES.get(config.model_type, arch), config.num_hidden_layers)
+        name = gguf_name(hf, config.model_type, config.num_hidden_layers)
         if name is None or (name == "output.weight" and tied):
             continue
         types[hf] = choose(TensorPlan(name, tuple(int(d) for d in shape), "F32", lambda: None, source=hf))
@@ -914,6 +800,6 @@ def _add(writer, key: str, kind: str, value) -> None:
         raise ValueError(kind)
 
 
-__all__ = ["FILE_TYPES", "ARCHITECTURES", "memory_types", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
+__all__ = ["FILE_TYPES", "memory_types", "Summary", "TensorPlan", "canonical_mixture", "write_gguf",
            "TwiceError"]
 
