@@ -98,3 +98,38 @@ def test_benchmark_twin_is_the_same_model(model_dirs, name):
         got = ours.model(ids, KVCache(ours.config, 1, 32, torch.float32, "cpu"), all_logits=True)
         want = twin(ids).logits
     assert (got - want).abs().max() < 1e-4
+
+
+def _string_constants(path, functions=None):
+    """The string literals of a module's code (docstrings and comments left out), or of only
+    the named functions."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in functions] if functions \
+        else [tree]
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return {c.value for node in nodes for c in ast.walk(node)
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and id(c) not in docs}
+
+
+def test_gguf_reader_and_writer_keep_no_list_of_families():
+    """How llama.cpp's files hold a family is its own file's GgufForm: the GGUF reader, the
+    name table and the writer's model parts name no model_type or architecture of their own
+    (a new family with a GGUF form needs no edit there)."""
+    from pathlib import Path
+
+    import twice.weights as weights
+    from twice.core.models import GGUF_FORMS
+
+    names = set(GGUF_FORMS) | {f.arch for f in GGUF_FORMS.values()}
+    root = Path(weights.__file__).parent
+    for module in ("gguf.py", "gguf_names.py", "gguf_load.py"):
+        assert not names & _string_constants(root / module), module
+    writer = _string_constants(root / "gguf_write.py", {"write_gguf", "_check_supported", "_model_metadata",
+                                                        "_shared_metadata", "_plan", "memory_types", "_rope_freqs",
+                                                        "_longrope_factors"})
+    assert not names & writer
+
