@@ -275,14 +275,9 @@ def parameter_count(c: ModelConfig) -> int:
 # Sandwich norms (attn_norm, post_attention_norm, ffn_norm = the pre-feed-forward norm,
 # post_ffw_norm), gemma3's per-head q/k norms. Every norm's weight is w + 1 in the file
 # (llama.cpp's converter adds gemma's 1: the form's norm_shift).
-_GGUF_NAMES = GgufNames(
-    whole=_LLAMA_GGUF_NAMES.whole,
-    layer={"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_q": "self_attn.q_proj",
-           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
-)
+_GGUF_NAMES = GgufNames(_LLAMA_GGUF_NAMES.whole, {
+    **_LLAMA_GGUF_NAMES.layer, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"})
 # Gemma models llama.cpp knows by their layer count as the 27B, whose queries it scales by
 # (hidden / heads) ** -0.5; every other size by head_dim ** -0.5 (models/gemma2.cpp, gemma3.cpp).
 _GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}

@@ -145,14 +145,9 @@ def parameter_count(c: ModelConfig) -> int:
 
 # Norms after attention and MLP (post_attention_norm / post_ffw_norm), q/k norms over the whole
 # projections under the names qwen3 uses for its per-head ones.
-_GGUF_NAMES = GgufNames(
-    whole=_LLAMA_GGUF_NAMES.whole,
-    layer={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-           "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-           "ffn_down": "mlp.down_proj"},
-)
+_GGUF_NAMES = GgufNames(_LLAMA_GGUF_NAMES.whole, {
+    **{g: h for g, h in _LLAMA_GGUF_NAMES.layer.items() if g not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"})
 
 
 def _gguf_read(config: dict, m) -> None:
