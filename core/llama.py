@@ -12,6 +12,7 @@ import torch
 from .attention import CachedSelfAttention, Step
 from .cache import KVCache
 from .config import ModelConfig, layer_types_from, size_field
+from .errors import UnsupportedModelError
 from .family import Family, GgufForm, GgufNames, attention_parameters
 from .fields import Fields
 from .layers import Embedding, GatedMLP, Linear, RMSNorm, WiredBlock
@@ -183,14 +184,28 @@ GGUF_NAMES = GgufNames(
 )
 
 
+def _gguf_read_llama(config: dict, m) -> None:
+    """llama.cpp's llama loads q/k/v/o and MLP biases where the file has them (each optional):
+    transformers' attention_bias and mlp_bias, as the first layer's tensors say (a layer that
+    lacks one the flag implies is a missing tensor)."""
+    for key, stems in (("attention_bias", ("attn_q", "attn_k", "attn_v", "attn_output")),
+                       ("mlp_bias", ("ffn_gate", "ffn_up", "ffn_down"))):
+        present = [s for s in stems if m.has_tensor(f"blk.0.{s}.bias")]
+        if present and len(present) < len(stems):
+            raise UnsupportedModelError(
+                f"{m.src}: biases on {', '.join(present)} but not on {', '.join(s for s in stems if s not in present)}: "
+                f"a llama model ({key}) has them on all of {', '.join(stems)} or none")
+        config[key] = bool(present)
+
+
 def _gguf_llama_keys(config: ModelConfig, raw: dict, arch: str) -> list:
     return [(f"{arch}.rope.dimension_count", "uint32", config.head_dim)]
 
 
 # llama.cpp's llama architecture: its converter permutes q/k rows so that ggml's RoPE rotates
 # adjacent pairs (weights/gguf.py undoes it); Mistral is written as llama and reads back as it.
-_GGUF = {"llama": GgufForm("llama", "LlamaForCausalLM", GGUF_NAMES, write=_gguf_llama_keys, permuted_qk=True,
-                           o_bias=True, rope_tensors=("llama3",)),
+_GGUF = {"llama": GgufForm("llama", "LlamaForCausalLM", GGUF_NAMES, read=_gguf_read_llama, write=_gguf_llama_keys,
+                           permuted_qk=True, o_bias=True, rope_tensors=("llama3",)),
          "mistral": GgufForm("llama", "LlamaForCausalLM", GGUF_NAMES, write=_gguf_llama_keys, permuted_qk=True,
                              reads_back=False, rope_tensors=("llama3",)),
          "qwen2": GgufForm("qwen2", "Qwen2ForCausalLM", GGUF_NAMES),

@@ -101,8 +101,13 @@ def _gguf_read(config: dict, m) -> None:
     tensors with the original context in rope.scaling.original_context_length, the window as
     attention.sliding_window (0: none), no biases."""
     del config["attention_bias"], config["mlp_bias"]
-    rotary = m.get("rope.dimension_count", config["head_dim"])
-    config["partial_rotary_factor"] = rotary / config["head_dim"]
+    rotary, head_dim = m.get("rope.dimension_count", config["head_dim"]), config["head_dim"]
+    # transformers rotates int(head_dim · factor) dimensions: the nearest float to rotary /
+    # head_dim can fall just short of `rotary` (30 / 44 gives 29), the next one up does not.
+    factor = rotary / head_dim
+    while int(head_dim * factor) < rotary:
+        factor = math.nextafter(factor, math.inf)
+    config["partial_rotary_factor"] = factor
     window = m.get("attention.sliding_window", 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise WeightsError(f"{m.src}: metadata phi3.attention.sliding_window must be a whole number, got {window!r}")

@@ -504,11 +504,59 @@ def test_unsupported_rope_scaling_and_tensors(tmp_path):
     assert_refused(src, tmp_path / "out", UnsupportedModelError, "'yarn'")
     tensors = gguf_tensors(model, quantized=()) | {"blk.0.attn_q.bias": (np.zeros(64, np.float32), F32)}
     src = write_gguf(tmp_path / "bias.gguf", base_metadata(model), tensors)
-    assert_refused(src, tmp_path / "out", UnsupportedModelError, "blk.0.attn_q.bias")
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "biases on attn_q but not on attn_k")
     tensors = gguf_tensors(model, quantized=())
     del tensors["blk.1.ffn_down.weight"]
     src = write_gguf(tmp_path / "missing.gguf", base_metadata(model), tensors)
     assert_refused(src, tmp_path / "out", WeightsError, "model.layers.1.mlp.down_proj.weight")
+
+
+def test_tensors_the_file_lacks_or_holds_twice(tmp_path):
+    """A head without the embedding is a missing embedding (not a tied head filling it); a
+    second spelling of a layer number ("01", "١": int() reads both as 1) is no tensor of the
+    model, not one that silently takes the first one's place."""
+    model = hf_model()
+    tensors = gguf_tensors(model, quantized=())
+    tensors["output.weight"] = tensors.pop("token_embd.weight")
+    src = write_gguf(tmp_path / "head.gguf", base_metadata(model), tensors)
+    assert_refused(src, tmp_path / "out", WeightsError, "tensor for model.embed_tokens.weight is missing")
+    for alias in ("blk.01.attn_norm.weight", "blk.\u0661.attn_norm.weight"):
+        tensors = gguf_tensors(model, quantized=()) | {alias: (np.zeros(64, np.float32), F32)}
+        src = write_gguf(tmp_path / "alias.gguf", base_metadata(model), tensors)
+        assert_refused(src, tmp_path / "out", UnsupportedModelError, alias)
+
+
+def test_metadata_that_claims_far_more_than_the_tensors(tmp_path):
+    """block_count and expert_count are checked against the file's tensors before the model
+    they describe is built (that costs time and memory per layer and expert)."""
+    model = hf_model()
+    layers = 20_000
+    metadata = base_metadata(model) | {"llama.block_count": layers}
+    tensors = {f"blk.{i}.attn_norm.weight": (np.ones(64, np.float32), F32) for i in range(layers)}
+    src = write_gguf(tmp_path / "layers.gguf", metadata, tensors)
+    assert_refused(src, tmp_path / "out", WeightsError, "describes a model of", "check block_count")
+
+
+def test_rope_freqs_only_where_the_architecture_reads_them(tmp_path):
+    """llama3's divisors are a llama tensor: refused in a qwen2 file, beside linear scaling
+    keys, and when they are not positive finite numbers (one line, not numpy's warnings)."""
+    import warnings
+
+    model = hf_model()
+    divisors = np.linspace(1, 8, DIMS["head_dim"] // 2, dtype=np.float32)
+    qwen = {k.replace("llama.", "qwen2.", 1): v for k, v in base_metadata(model).items()}
+    tensors = gguf_tensors(model, quantized=()) | {"rope_freqs.weight": (divisors, F32)}
+    src = write_gguf(tmp_path / "q.gguf", qwen, tensors, arch="qwen2")
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "rope_freqs.weight", "qwen2")
+    linear = base_metadata(model) | {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    src = write_gguf(tmp_path / "l.gguf", linear, tensors)
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "rope_freqs.weight", "linear")
+    for bad in (0.0, -1.0, float("nan")):
+        tensors["rope_freqs.weight"] = (np.full(DIMS["head_dim"] // 2, bad, np.float32), F32)
+        src = write_gguf(tmp_path / "z.gguf", base_metadata(model), tensors)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert_refused(src, tmp_path / "out", WeightsError, "rope_freqs.weight must hold 8 positive finite")
 
 
 def test_bad_dtype(tmp_path, valid_file):

@@ -540,3 +540,30 @@ def test_converter_gemma2_with_sentencepiece_gives_transformers_tokens_and_logit
     assert (logits(stored, IDS) - model(IDS).logits[0]).abs().max() < 1e-4
     ids = IDS[:, :7]
     assert greedy(stored, ids) == hf_greedy(model, ids)
+
+
+# -- what a file holds that only some models of a family have --------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_bias_files(tmp_path_factory, tokenizer):
+    """llama with attention_bias and mlp_bias: llama.cpp's llama loads both (each optional)."""
+    return _variant_files(tmp_path_factory, tokenizer, "llama", "llama", attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="module")
+def phi3_rotary_files(tmp_path_factory, tokenizer):
+    """phi3 with head_dim 44 rotating 30 dimensions: 30 / 44 as a float gives int(44 · f) = 29."""
+    return _variant_files(tmp_path_factory, tokenizer, "phi3", "phi3", hidden_size=88, num_attention_heads=2,
+                          num_key_value_heads=1,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.69})
+
+
+@pytest.mark.parametrize("variant", ["llama_bias_files", "phi3_rotary_files"])
+def test_files_of_optional_features_read_back_as_written(request, variant):
+    """What `twice quantize` writes of these reads back as the same model: the llama's
+    biases (q/k ones permuted as its weights are), phi3's rotated dimensions."""
+    folder, path = request.getfixturevalue(variant)("f32")
+    arch = read_gguf(path).metadata["general.architecture"]
+    want = reference(folder, path, arch)(IDS).logits[0]
+    assert (logits(load(str(path), device="cpu", dtype="float32"), IDS) - want).abs().max() < 1e-4

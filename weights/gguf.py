@@ -167,9 +167,17 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
         config.update(_shared_config(m, models.family(model_type).partial_rotary))
     form.read(config, m)
     config["tie_word_embeddings"] = True  # settled by _plan_tensors once it has seen output.weight
+    if rope_freqs is not None and "llama3" not in form.rope_tensors:
+        raise UnsupportedModelError(f"{src}: tensor rope_freqs.weight (llama3 RoPE frequency factors) is not part of "
+                                    f"llama.cpp's {arch} architecture")
     if form.shared_keys:
-        scaling = _rope_scaling(metadata, arch, src) or _llama3_rope_from_freqs(rope_freqs, config["rope_theta"],
-                                                                              config["head_dim"], src)
+        scaling = _rope_scaling(metadata, arch, src)
+        divisors = _rope_divisors(rope_freqs, config["head_dim"], src)
+        if scaling and divisors is not None:
+            raise UnsupportedModelError(f"{src}: both rope_freqs.weight (llama3 RoPE scaling) and {scaling['rope_type']} "
+                                        "RoPE scaling keys; a model has one scaling")
+        if divisors is not None:
+            scaling = _llama3_rope_from_divisors(divisors, config["rope_theta"], config["head_dim"], src)
         if scaling and "rope_scaling" in config:
             raise UnsupportedModelError(f"{src}: {arch} with both longrope factors and RoPE scaling keys is not "
                                         "supported")
@@ -259,7 +267,9 @@ def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
 
 # llama3 RoPE settings are not metadata in a GGUF: llama.cpp stores the per-frequency
 # divisors they produce (the rope_freqs tensor), and we find settings that give them again.
-def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) -> dict | None:
+def _rope_divisors(rope_freqs, head_dim: int, src: Path) -> np.ndarray | None:
+    """The per-frequency divisors of a rope_freqs tensor, checked; None where there is none or
+    it divides nothing (all ones)."""
     if rope_freqs is None:
         return None
     import gguf
@@ -267,8 +277,12 @@ def _llama3_rope_from_freqs(rope_freqs, theta: float, head_dim: int, src: Path) 
     divisors = np.asarray(gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float64).ravel()
     if divisors.shape != (head_dim // 2,):
         raise WeightsError(f"{src}: rope_freqs.weight has {divisors.size} values, expected {head_dim // 2}")
-    if np.allclose(divisors, 1.0):
-        return None
+    if not np.isfinite(divisors).all() or (divisors <= 0).any():
+        raise WeightsError(f"{src}: rope_freqs.weight must hold {head_dim // 2} positive finite factors")
+    return None if np.allclose(divisors, 1.0) else divisors
+
+
+def _llama3_rope_from_divisors(divisors: np.ndarray, theta: float, head_dim: int, src: Path) -> dict:
     found = llama3_rope_from_divisors(divisors, theta, head_dim)
     if found is None:
         raise UnsupportedModelError(
@@ -380,15 +394,23 @@ class _TensorJob:
         return self.shape[::-1] if self.transpose else self.shape
 
 
-def _expected(config: dict, src: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
+def _expected(config: dict, src: Path, stored: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     """HF name → (its shape in a checkpoint, its Target), for every checkpoint tensor a model of
     this config reads: the family's own map (its targets() on the meta device), so no list of
     weights per family is kept here. Names that fill the same place (GPT-2's with and without
-    "transformer.", a head tied to the embedding) share a Target."""
+    "transformer.", a head tied to the embedding) share a Target. A config that implies far
+    more parameters than the file's `stored` values is refused first, as a folder's is."""
     from twice.core.config import config_from_dict
     from twice.core.models import meta_model
 
-    model = meta_model(config_from_dict(config, str(src)))
+    from .checkpoint import SIZE_SLACK_FACTOR, SIZE_SLACK_PARAMS
+
+    parsed = config_from_dict(config, str(src))
+    implied = parsed.parameter_count()
+    if implied > SIZE_SLACK_FACTOR * stored + SIZE_SLACK_PARAMS:
+        raise WeightsError(f"{src}: its metadata describes a model of {implied:,} parameters but its tensors hold "
+                           f"{stored:,} values; check block_count, expert_count and the sizes")
+    model = meta_model(parsed)
     params = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     return {name: (places[0].checkpoint_shape(params[places[0].param]), places[0])
             for name, places in model.placements().items()}
@@ -396,7 +418,10 @@ def _expected(config: dict, src: Path) -> dict[str, tuple[tuple[int, ...], Any]]
 
 def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> list[_TensorJob]:
     """Match every GGUF tensor to its HF weight, checking names, shapes and quantization types
-    up front, so a file that cannot be converted is refused before anything is written."""
+    up front, so a file that cannot be converted is refused before anything is written. What
+    the file alone shows (names, expert counts, its size against the config's) is checked
+    before the model's map is built: that costs time and memory in proportion to the layers
+    and experts the metadata claims."""
     from twice.core.models import GGUF_FORMS
 
     from .gguf_names import reads_as
@@ -404,9 +429,7 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
     layers, count, model_type = config["num_hidden_layers"], len(reader.tensors), config["model_type"]
     if layers > count:  # checked before listing every expected weight: the count may be absurd
         raise WeightsError(f"{src}: metadata says {layers} layers (block_count) but the file holds only {count} tensors")
-    form = GGUF_FORMS[model_type]
-    expected = _expected(config, src)
-    found: dict[str, _TensorJob] = {}
+    named: dict[str, Any] = {}
     for tensor in _expert_slices(reader.tensors, config, src):
         if tensor.name in _CONSUMED_TENSORS:
             continue
@@ -416,6 +439,14 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
                 f"{src}: tensor {tensor.name} has no counterpart in a {model_type} model (experts and "
                 "extra layers are not supported)"
             )
+        if name in named:
+            raise WeightsError(f"{src}: tensors {named[name].name} and {tensor.name} are the same weight ({name})")
+        named[name] = tensor
+    config["tie_word_embeddings"] = "lm_head.weight" not in named
+    form = GGUF_FORMS[model_type]
+    expected = _expected(config, src, sum(t.n_elements for t in reader.tensors))
+    found: dict[str, _TensorJob] = {}
+    for name, tensor in named.items():
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         if name not in expected:
             raise UnsupportedModelError(f"{src}: tensor {tensor.name} has no counterpart in a {model_type} model")
@@ -429,7 +460,6 @@ def _plan_tensors(reader, config: dict, src: Path, dequantized: bool = True) -> 
         found[name] = _TensorJob(tensor, name, want, _permuted_heads(tensor.name, config, form.permuted_qk), transpose,
                                  shift)
 
-    config["tie_word_embeddings"] = "lm_head.weight" not in found
     filled = {expected[n][1].key for n in found}
     missing: dict[Any, str] = {}  # each unfilled place, by the name the file would give it
     for name, (_, target) in expected.items():
@@ -473,9 +503,9 @@ def _permuted_heads(gguf_name: str, config: dict, permuted: bool) -> int:
     rotates halves)."""
     if not permuted:
         return 0
-    if gguf_name.endswith(".attn_q.weight"):
+    if gguf_name.endswith((".attn_q.weight", ".attn_q.bias")):
         return config["num_attention_heads"]
-    if gguf_name.endswith(".attn_k.weight"):
+    if gguf_name.endswith((".attn_k.weight", ".attn_k.bias")):
         return config["num_key_value_heads"]
     return 0
 

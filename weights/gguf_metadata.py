@@ -91,6 +91,9 @@ class Metadata:
             value = value[0]
         return positive_int({key: value}, key, self.src)
 
+    def has_tensor(self, name: str) -> bool:
+        return self._find(name) is not None
+
     def values(self, tensor: str):
         """The values of a settings tensor (phi3's RoPE factors) as float64, or None if the
         file has no tensor of that name."""

@@ -13,8 +13,12 @@ import re
 
 from twice.core.family import GgufNames
 
-_EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Layer and expert numbers as written: ASCII digits without leading zeros (int() would also read
+# "01" or "١" as 1, and a second tensor so named would take the first one's place).
+_NUMBER = "(?:0|[1-9][0-9]*)"
+_EXPERT_NUMBER = re.compile(rf"\.experts\.{_NUMBER}\.", re.ASCII)
+_GGUF_LAYER = re.compile(rf"blk\.({_NUMBER})\.(\w+)\.(weight|bias)", re.ASCII)
+_INDEX = re.compile(_NUMBER, re.ASCII)
 
 
 def _names(model_type: str) -> GgufNames:
@@ -58,7 +62,7 @@ def gguf_name(hf: str, model_type: str, layers: int) -> str | None:
     rest = hf[len(t.prefix) + 1:]
     index, _, leaf = rest.partition(".")
     stem, _, kind = _EXPERT_NUMBER.sub(".experts.*.", "." + leaf)[1:].rpartition(".")
-    if not index.isdigit() or int(index) >= layers or kind not in ("weight", "bias"):
+    if not _INDEX.fullmatch(index) or int(index) >= layers or kind not in ("weight", "bias"):
         return None
     for g, h in t.layer.items():
         if h == stem:
