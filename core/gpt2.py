@@ -182,12 +182,17 @@ def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
     return [(f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps)]
 
 
+# transformers' names of the GELU llama.cpp's gpt2 computes (exact "gelu" is another function).
+_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
 def _gguf_check(config: ModelConfig, where) -> None:
     if config.scale_attn_by_inverse_layer_idx or not config.scale_attn_weights:
         raise UnsupportedModelError(f"{where}: GPT-2 attention scaling options (scale_attn_weights false, "
                                     "scale_attn_by_inverse_layer_idx) have no GGUF form")
-    if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        raise UnsupportedModelError(f"{where}: GPT-2 with activation {config.hidden_act!r} has no GGUF form")
+    if config.hidden_act not in _TANH_GELU:  # llama.cpp's gpt2 runs the tanh approximation, whatever the file
+        raise UnsupportedModelError(f"{where}: GPT-2 with activation {config.hidden_act!r} has no GGUF form "
+                                    "(llama.cpp's gpt2 runs the tanh-approximated GELU, gelu_new)")
 
 
 FAMILY = Family(
@@ -208,5 +213,5 @@ FAMILY = Family(
     hf_config={"gpt2": "GPT2Config"},
     gguf={"gpt2": GgufForm("gpt2", "GPT2LMHeadModel", _GGUF_NAMES, read=_gguf_read, write=_gguf_write,
                            check=_gguf_check, shared_keys=False, transposed=_CONV1D,
-                           activations=("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"), o_bias=True)},
+                           activations=_TANH_GELU, o_bias=True)},
 )

@@ -228,6 +228,23 @@ def test_gemma_without_a_gguf_form_is_one_line(gemma_dirs, model_dirs, tmp_path,
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def test_gpt2_with_exact_gelu_is_one_line(model_dirs, tmp_path, capsys):
+    """llama.cpp's gpt2 runs the tanh-approximated GELU whatever the file says: a GPT-2 whose
+    activation_function is the exact "gelu" has no file that runs as it does."""
+    import json
+    import shutil
+
+    from clirun import run_inprocess
+
+    folder = Path(shutil.copytree(model_dirs("gpt2"), tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
+    r = run_inprocess(["quantize", str(folder), str(tmp_path / "out.gguf"), "--type", "f32"], capsys)
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert r.code == 2 and len(lines) == 1 and "activation 'gelu' has no GGUF form" in lines[0], r.err
+    assert not (tmp_path / "out.gguf").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", GEMMA)
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
