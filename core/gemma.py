@@ -299,8 +299,9 @@ def _gguf_sliding_layers(m, layers: int) -> list[bool]:
     pattern = m.get("attention.sliding_window_pattern", _GGUF_PATTERN[m.arch])
     if isinstance(pattern, list):
         if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
-            raise WeightsError(f"{m.src}: {m.arch}.attention.sliding_window_pattern must hold one flag per layer "
-                               f"({layers}), got {len(pattern)} values")
+            got = f"{len(pattern)} values" if len(pattern) != layers else "values that are not all true or false"
+            raise WeightsError(f"{m.src}: {m.arch}.attention.sliding_window_pattern must hold one flag (true or "
+                               f"false) per layer ({layers}), got {got}")
         return list(pattern)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
         raise WeightsError(f"{m.src}: {m.arch}.attention.sliding_window_pattern must be a whole number, got "

@@ -122,7 +122,8 @@ def _gguf_read(config: dict, m) -> None:
     for key, name, values in (("long_factor", "rope_factors_long.weight", long),
                               ("short_factor", "rope_factors_short.weight", short)):
         if values.size != rotary // 2 or not all(math.isfinite(v) and v > 0 for v in values.tolist()):
-            raise WeightsError(f"{m.src}: {name} must hold {rotary // 2} positive factors, got {values.size} values")
+            got = f"{values.size} values" if values.size != rotary // 2 else "a zero, negative or non-finite one"
+            raise WeightsError(f"{m.src}: {name} must hold {rotary // 2} positive finite factors, got {got}")
         factors[key] = [float(v) for v in values.astype("float32")]
     original = m.int("rope.scaling.original_context_length")
     config["original_max_position_embeddings"] = original

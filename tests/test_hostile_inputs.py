@@ -513,8 +513,23 @@ def absurd_block_count(path):
     return "metadata says 1073741824 layers (block_count) but the file holds only 11 tensors"
 
 
+def architecture_not_a_string(path):
+    write_small_gguf(path, metadata={"general.architecture": 5})
+    return "general.architecture must be a string, got 5"
+
+
+def value_length_as_text(path):
+    write_small_gguf(path, metadata={"llama.attention.value_length": "16"})
+    return "metadata llama.attention.value_length must be a positive integer, got '16'"
+
+
+def rotary_dimension_as_float(path):
+    write_small_gguf(path, metadata={"llama.rope.dimension_count": 12.0})
+    return "metadata llama.rope.dimension_count must be a positive integer, got 12.0"
+
+
 GGUF_BREAKS = [bad_magic, truncated, cut_in_the_header, unsupported_quantization, unsupported_architecture,
-               absurd_block_count]
+               absurd_block_count, architecture_not_a_string, value_length_as_text, rotary_dimension_as_float]
 
 
 @pytest.mark.parametrize("breaker", GGUF_BREAKS, ids=lambda f: f.__name__)

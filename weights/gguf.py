@@ -151,6 +151,8 @@ def _model_config(metadata: dict, src: Path, rope_freqs, find: Callable[[str], A
     from twice.core import models
 
     arch = require(metadata, "general.architecture", src)
+    if not isinstance(arch, str):
+        raise WeightsError(f"{src}: metadata general.architecture must be a string, got {arch!r}")
     experts = metadata.get(f"{arch}.expert_count", 0)
     found = models.gguf_form_of_file(arch, bool(experts))
     if found is None:
@@ -198,19 +200,17 @@ def _shared_config(m: Metadata, partial_rotary: bool) -> dict:
     if hidden % heads and "attention.key_length" not in m:
         raise WeightsError(f"{src}: embedding_length {hidden} is not divisible by head_count {heads}")
     head_dim = m.int("attention.key_length", default=hidden // heads)
-    if m.get("attention.value_length", head_dim) != head_dim:
+    if m.int("attention.value_length", default=head_dim) != head_dim:
         raise UnsupportedModelError(f"{src}: attention value_length differs from key_length, which {arch} cannot express")
     # llama.cpp rotates rope.dimension_count dims of each head; HF llama rotates all of them
     # (phi3: partial_rotary_factor of them).
-    rotary = m.get("rope.dimension_count", head_dim)
-    if partial_rotary and isinstance(rotary, int) and not isinstance(rotary, bool) and 0 < rotary <= head_dim \
-            and rotary % 2 == 0:
-        pass
-    elif rotary != head_dim:
-        raise UnsupportedModelError(
-            f"{src}: partial rotary embeddings (rope.dimension_count {m.get('rope.dimension_count')} of head_dim "
-            f"{head_dim}) are not supported"
-        )
+    rotary = m.int("rope.dimension_count", default=head_dim)
+    if rotary != head_dim and not partial_rotary:
+        raise UnsupportedModelError(f"{src}: partial rotary embeddings (rope.dimension_count {rotary} of head_dim "
+                                    f"{head_dim}) are not supported in {arch}")
+    if rotary > head_dim or rotary % 2:
+        raise WeightsError(f"{src}: metadata {arch}.rope.dimension_count {rotary} must be even and at most the head "
+                           f"dimension {head_dim}")
     if head_dim % 2:
         raise WeightsError(f"{src}: head dimension {head_dim} must be even for rotary embeddings")
     return {
