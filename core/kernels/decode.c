@@ -775,6 +775,192 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + h * D + 16 * v, o[h][v]);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+/* bf16 models on Q8_0/Q4_0 blocks at head_dim 64: the stored integers as bf16 (exact: a Q8_0
+ * q has at most 7 significant bits, Q4_0's q − 8 four) meet the query and the probabilities in
+ * dot-product instructions, two at a time, as the bf16 cache's attention does (key_dot,
+ * values_vec), instead of being widened to float32, scaled and multiplied one by one
+ * (attend_heads_blocks16, which the widening and scaling bound). A byte becomes bf16 by two
+ * table lookups, its low and its high byte (VBMI's byte permutes: 128 entries of bf16(|q|) and
+ * the sign put back for Q8_0, 16 of bf16(q − 8) for Q4_0). The block scales stay out of the
+ * products: a key's two blocks sum in separate lanes and are scaled once per 16 keys
+ * (sum16_halves); a value's scale goes into the probability it meets, and that product is
+ * rounded to bf16. SDPA's bf16 kernel, on eager's dequantized cache, rounds e^(s − max) and
+ * d·q to bf16 each; here one rounding of e^(s − max)·d stands for both, and the keys stay
+ * exact (the query is bf16 already), so the result is within the reference's own rounding. */
+#define KV_BF16_SPAN (2 * 1024) /* most keys of one call: spans are < 2·ATT_CHUNK (span_chunks) */
+static uint8_t kv_bf16_q8[4][64] __attribute__((aligned(64)));  /* low bytes of bf16(0..127), high bytes */
+static uint8_t kv_bf16_q4[2][64] __attribute__((aligned(64)));  /* low, high byte of bf16((i mod 16) − 8) */
+/* byte orders of two-source byte permutes (index bit 6: the second source): value_pair_bytes' for
+ * Q4_0 and Q8_0, key_bytes' for Q4_0 */
+enum { PERM_VALUES_Q4 = 0, PERM_VALUES_Q8 = 1, PERM_KEYS_Q4 = 2 };
+static uint8_t kv_perm[3][64] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void kv_bf16_tables(void) {
+    for (int i = 0; i < 128; i++) {
+        const uint16_t h = f32_to_bf16((float)i);
+        kv_bf16_q8[i / 64][i % 64] = (uint8_t)h;
+        kv_bf16_q8[2 + i / 64][i % 64] = (uint8_t)(h >> 8);
+    }
+    for (int i = 0; i < 64; i++) { /* period 16: a nibble's byte may carry other bits above bit 3 */
+        const uint16_t h = f32_to_bf16((float)(i % 16 - 8));
+        kv_bf16_q4[0][i] = (uint8_t)h, kv_bf16_q4[1][i] = (uint8_t)(h >> 8);
+    }
+    for (int c = 0; c < 32; c++) { /* column c of two tokens → bytes 2c, 2c + 1 */
+        kv_perm[PERM_VALUES_Q8][2 * c] = (uint8_t)c, kv_perm[PERM_VALUES_Q8][2 * c + 1] = (uint8_t)(64 + c);
+        /* Q4_0: the sources are [r0, r1] and the same >> 4 (columns 16–31: the high nibbles) */
+        kv_perm[PERM_VALUES_Q4][2 * c] = (uint8_t)(c < 16 ? c : 64 + c - 16);
+        kv_perm[PERM_VALUES_Q4][2 * c + 1] = (uint8_t)(c < 16 ? 16 + c : 64 + c);
+    }
+    for (int c = 0; c < 64; c++) /* [block 0, block 1] and the same >> 4 → columns 0–63 */
+        kv_perm[PERM_KEYS_Q4][c] = (uint8_t)((c & 16 ? 64 : 0) + (c & 32 ? 16 : 0) + (c & 15));
+}
+
+/* 64 index bytes (Q8_0's int8, Q4_0's nibbles in their low 4 bits) → their bf16 values as words,
+ * in the unpack's order: *lo the bytes 0–7 of each 128-bit block, *hi bytes 8–15. t: the tables. */
+static inline __attribute__((always_inline)) void bytes_bf16(const int Q8, __m512i x, const __m512i *t, __m512i *lo,
+                                                             __m512i *hi) {
+    __m512i l, h;
+    if (Q8) {
+        const __m512i a = _mm512_abs_epi8(x);
+        l = _mm512_permutex2var_epi8(t[0], a, t[1]);
+        h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], a, t[3]), x, t[4], 0xf8); /* | the sign */
+    } else {
+        l = _mm512_permutexvar_epi8(x, t[0]);
+        h = _mm512_permutexvar_epi8(x, t[1]);
+    }
+    *lo = _mm512_unpacklo_epi8(l, h);
+    *hi = _mm512_unpackhi_epi8(l, h);
+}
+
+/* The two blocks of one token at b as index bytes, column c in byte c (Q4_0: its 16 bytes' low
+ * nibbles are columns 0–15, the high ones 16–31; perm: kv_perm[PERM_KEYS_Q4]). */
+static inline __attribute__((always_inline)) __m512i key_bytes(const int Q8, const uint8_t *b, __m512i perm) {
+    if (Q8)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 2))),
+                                              _mm_loadu_si128((const __m128i *)(b + 20)), 1);
+    return _mm512_permutex2var_epi8(_mm512_castsi256_si512(y), perm, _mm512_castsi256_si512(_mm256_srli_epi16(y, 4)));
+}
+
+/* The block at byte `at` of two tokens' values (r0, r1) as index bytes, column c's pair in bytes
+ * 2c (r0) and 2c + 1 (r1): what a bf16 dot product of the pair against (p_j, p_j+1) needs
+ * (pairs: kv_perm[PERM_VALUES_Q8 or _Q4]). */
+static inline __attribute__((always_inline)) __m512i value_pair_bytes(const int Q8, const uint8_t *r0,
+                                                                      const uint8_t *r1, int64_t at, __m512i pairs) {
+    if (Q8)
+        return _mm512_permutex2var_epi8(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + at + 2))),
+                                        pairs,
+                                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r1 + at + 2))));
+    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + at + 2))),
+                                              _mm_loadu_si128((const __m128i *)(r1 + at + 2)), 1);
+    return _mm512_permutex2var_epi8(_mm512_castsi256_si512(y), pairs, _mm512_castsi256_si512(_mm256_srli_epi16(y, 4)));
+}
+
+/* The fp16 scales of t tokens' two blocks (tb bytes apart from p, the second block `second` bytes
+ * into each) → 16 floats each, 0 past t. Scalar loads: a gather costs more on Zen 4. */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *p, int64_t tb, int64_t second,
+                                                                int64_t t, __m512 *d0, __m512 *d1) {
+    uint16_t h[2][16] __attribute__((aligned(32))) = {{0}};
+    for (int64_t i = 0; i < t; i++, p += tb) memcpy(&h[0][i], p, 2), memcpy(&h[1][i], p + second, 2);
+    *d0 = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h[0]));
+    *d1 = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h[1]));
+}
+
+static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const Dims *d, const int Q8, const int NH,
+                                                                           const float *q, const uint8_t *kc,
+                                                                           const uint8_t *vc, int64_t n, float *s,
+                                                                           int64_t stride, float *out, float *ml) {
+    const int64_t tb = Q8 ? 68 : 36, second = tb / 2; /* a token's bytes, its second block's */
+    __m512i t[5];
+    for (int i = 0; i < (Q8 ? 4 : 2); i++) t[i] = _mm512_load_si512(Q8 ? kv_bf16_q8[i] : kv_bf16_q4[i]);
+    t[4] = _mm512_set1_epi8((char)0x80);
+    /* the query in bf16 (exact: a bf16 model's q holds bf16 values), column c where bytes_bf16
+     * leaves a key's: *lo's word 8k + m is column 16k + m, *hi's column 16k + 8 + m */
+    __m512i qw[4][2];
+    for (int h = 0; h < NH; h++) {
+        uint16_t w[64] __attribute__((aligned(64)));
+        for (int c = 0; c < 64; c++) w[(c & 8) * 4 + (c >> 4) * 8 + (c & 7)] = f32_to_bf16(q[h * 64 + c]);
+        qw[h][0] = _mm512_load_si512(w), qw[h][1] = _mm512_load_si512(w + 32);
+    }
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    const __m512i key_perm = _mm512_load_si512(kv_perm[PERM_KEYS_Q4]);
+    __m512 mv[4];
+    for (int h = 0; h < NH; h++) mv[h] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const int64_t tt = n - j < 16 ? n - j : 16;
+        const __mmask16 live = lanes16(j, 0, n);
+        __m512 part[4][16];
+        for (int64_t i = 0; i < 16; i++) {
+            __m512 acc[4];
+            for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
+            if (i < tt) { /* lanes 0–7: the first block's products, 8–15 the second's */
+                __m512i w0, w1;
+                bytes_bf16(Q8, key_bytes(Q8, kc + (j + i) * tb, key_perm), t, &w0, &w1);
+                for (int h = 0; h < NH; h++)
+                    acc[h] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[h], (__m512bh)w0, (__m512bh)qw[h][0]),
+                                              (__m512bh)w1, (__m512bh)qw[h][1]);
+            }
+            for (int h = 0; h < NH; h++) part[h][i] = acc[h];
+        }
+        /* these tokens' values into L2 while the keys are read: the next pass gathers their scales,
+         * 16 lines at once, which would otherwise wait on memory where the stream starts */
+        for (int64_t b = 0; b < tt * tb; b += 64) _mm_prefetch((const char *)vc + j * tb + b, _MM_HINT_T1);
+        __m512 d0, d1;
+        block_scales(kc + j * tb, tb, second, tt, &d0, &d1);
+        for (int h = 0; h < NH; h++) {
+            __m512 a, b;
+            sum16_halves(part[h], &a, &b);
+            const __m512 sv = _mm512_mul_ps(_mm512_fmadd_ps(a, d0, _mm512_mul_ps(b, d1)), scale);
+            _mm512_mask_storeu_ps(s + h * stride + j, live, sv);
+            mv[h] = _mm512_mask_max_ps(mv[h], live, mv[h], sv);
+        }
+    }
+    /* e^(s − max) times each block's value scale, in bf16, per head and block: word j of w[h][b]
+     * (pairs j, j + 1 one 32-bit word for the dot products; past n: 0) */
+    uint32_t w[4][2][KV_BF16_SPAN / 2] __attribute__((aligned(64)));
+    __m512 m[4], sum[4];
+    for (int h = 0; h < NH; h++) m[h] = _mm512_set1_ps(ml[2 * h] = _mm512_reduce_max_ps(mv[h])), sum[h] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = lanes16(j, 0, n);
+        __m512 d0, d1;
+        block_scales(vc + j * tb, tb, second, n - j < 16 ? n - j : 16, &d0, &d1);
+        for (int h = 0; h < NH; h++) {
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + h * stride + j), m[h])));
+            sum[h] = _mm512_add_ps(sum[h], e);
+            _mm256_store_si256((__m256i *)(w[h][0] + j / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, d0)));
+            _mm256_store_si256((__m256i *)(w[h][1] + j / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, d1)));
+        }
+    }
+    const __m512i pairs = _mm512_load_si512(kv_perm[Q8 ? PERM_VALUES_Q8 : PERM_VALUES_Q4]);
+    __m512 o[4][4];
+    for (int h = 0; h < NH; h++) for (int v = 0; v < 4; v++) o[h][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 2) {
+        /* an odd last value's partner: its own bytes again (finite), against a weight of 0 */
+        const uint8_t *r0 = vc + j * tb, *r1 = j + 1 < n ? r0 + tb : r0;
+        for (int b = 0; b < 2; b++) {
+            __m512i v0, v1;
+            bytes_bf16(Q8, value_pair_bytes(Q8, r0, r1, b * second, pairs), t, &v0, &v1);
+            for (int h = 0; h < NH; h++) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)w[h][b][j / 2]);
+                o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], (__m512bh)v0, p);
+                o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], (__m512bh)v1, p);
+            }
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const float total = _mm512_reduce_add_ps(sum[h]);
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        ml[2 * h + 1] = total;
+        for (int b = 0; b < 2; b++) {
+            _mm512_storeu_ps(out + h * 64 + 32 * b, _mm512_mul_ps(unpacked_first16(o[h][2 * b], o[h][2 * b + 1]), inv));
+            _mm512_storeu_ps(out + h * 64 + 32 * b + 16, _mm512_mul_ps(unpacked_second16(o[h][2 * b], o[h][2 * b + 1]), inv));
+        }
+    }
+}
+#endif
+
 /* The `group` query heads (D apart in q and out) that share the n block keys/values from
  * token `tok` of kc/vc, in runs of up to 4 heads (D = 64) or 2 (D = 128: their 2·8 outputs
  * and queries fill the registers). out is float32 (attend_group rounds it). */
@@ -791,6 +977,19 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         const float *qh = q + h * D;
         float *sh = s + h * stride, *oh = out + h * D, *mh = ml + 2 * h;
         /* block type and head count as compile-time constants of the kernel */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+        if (d->bf16 && NV == 4 && n <= KV_BF16_SPAN) {
+#define HEADS_BF16(Q8)                                                                                    \
+            if (nh == 4) attend_heads_blocks_bf16(d, Q8, 4, qh, kc, vc, n, sh, stride, oh, mh);            \
+            else if (nh == 3) attend_heads_blocks_bf16(d, Q8, 3, qh, kc, vc, n, sh, stride, oh, mh);       \
+            else if (nh == 2) attend_heads_blocks_bf16(d, Q8, 2, qh, kc, vc, n, sh, stride, oh, mh);       \
+            else attend_heads_blocks_bf16(d, Q8, 1, qh, kc, vc, n, sh, stride, oh, mh);
+            if (d->kv_type == KV_Q8_0) { HEADS_BF16(1) }
+            else { HEADS_BF16(0) }
+#undef HEADS_BF16
+            continue;
+        }
+#endif
 #define HEADS_BLOCKS16(Q8)                                                                            \
         if (nh == 4) attend_heads_blocks16(d, Q8, NV, 4, qh, kc, vc, n, sh, stride, oh, mh);          \
         else if (nh == 3) attend_heads_blocks16(d, Q8, NV, 3, qh, kc, vc, n, sh, stride, oh, mh);     \
@@ -844,6 +1043,23 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
         attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D, m + 2 * h);
 done:
     if (!chunk) round_to_dtype(d, out, group * D);
+}
+
+/* attend_group for the tests (tests/test_kv_bf16.py): the `group` query heads at q (float32; in
+ * bf16 holding bf16 values, as a bf16 model's are) against n tokens of one kv head's keys and
+ * values as the cache stores them (kv_type: KV_FLOAT in the model dtype, or blocks), scores
+ * scaled by `scale`; out: group · head_dim floats, rounded to the model dtype. 0, or -1 when
+ * out of memory. */
+int kv_attend(int64_t kv_type, int64_t bf16, int64_t group, int64_t head_dim, int64_t n, float scale, const float *q,
+              const void *kc, const void *vc, float *out) {
+    Dims d;
+    memset(&d, 0, sizeof d);
+    d.kv_type = kv_type, d.bf16 = bf16, d.head_dim = head_dim, d.scale = scale;
+    float *s = malloc(sizeof(float) * (size_t)(group * n + 1)), *ml = malloc(sizeof(float) * (size_t)(2 * group));
+    if (!s || !ml) { free(s); free(ml); return -1; }
+    attend_group(&d, q, group, kc, vc, 0, n, NULL, NULL, 0, s, n, out, ml, 0);
+    free(s), free(ml);
+    return 0;
 }
 
 /* Attention over a span of 2·ATT_CHUNK keys or more runs as chunks of ATT_CHUNK keys (the

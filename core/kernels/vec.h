@@ -52,6 +52,25 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xdd));
 }
 
+/* sum16 for vectors whose lanes 0-7 and 8-15 belong to two different sums (a key's two
+ * blocks, each scaled on its own): lane k of *a = the sum of v[k]'s lanes 0-7, of *b = of
+ * its lanes 8-15. sum16's tree up to its last add, which is the one that joins the halves. */
+static inline __attribute__((always_inline)) void sum16_halves(const __m512 v[16], __m512 *a, __m512 *b) {
+    __m512 x[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *u = v + 4 * g;
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+        x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    }
+    /* p's 128-bit blocks: vectors 0-3 lanes 0-7, 0-3 lanes 8-15, 4-7 lanes 0-7, 4-7 lanes 8-15 */
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    *a = _mm512_shuffle_f32x4(p, q, 0x88);
+    *b = _mm512_shuffle_f32x4(p, q, 0xdd);
+}
+
 /* Lanes j .. j+15 that lie in [lo, n): the mask of a row's partial first and last vectors. */
 static inline __mmask16 lanes16(int64_t j, int64_t lo, int64_t n) {
     __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
