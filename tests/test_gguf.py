@@ -499,9 +499,14 @@ def test_missing_metadata(tmp_path, key):
 
 def test_unsupported_rope_scaling_and_tensors(tmp_path):
     model = hf_model()
-    metadata = base_metadata(model) | {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    metadata = base_metadata(model) | {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 4.0}
+    src = write_gguf(tmp_path / "dynamic.gguf", metadata, gguf_tensors(model, quantized=()))
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "'dynamic'")
+    metadata = base_metadata(model) | {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                       "llama.rope.scaling.original_context_length": 64,
+                                       "llama.rope.scaling.attn_factor": 2.0}
     src = write_gguf(tmp_path / "yarn.gguf", metadata, gguf_tensors(model, quantized=()))
-    assert_refused(src, tmp_path / "out", UnsupportedModelError, "'yarn'")
+    assert_refused(src, tmp_path / "out", UnsupportedModelError, "llama.rope.scaling.attn_factor 2.0")
     tensors = gguf_tensors(model, quantized=()) | {"blk.0.attn_q.bias": (np.zeros(64, np.float32), F32)}
     src = write_gguf(tmp_path / "bias.gguf", base_metadata(model), tensors)
     assert_refused(src, tmp_path / "out", UnsupportedModelError, "biases on attn_q but not on attn_k")

@@ -576,11 +576,50 @@ def phi3_rotary_files(tmp_path_factory, tokenizer):
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.69})
 
 
-@pytest.mark.parametrize("variant", ["llama_bias_files", "phi3_rotary_files"])
+@pytest.fixture(scope="module")
+def qwen2_yarn_files(tmp_path_factory, tokenizer):
+    """qwen2 with YaRN (factor 4 over an original context of 16: the tests' prompts cross it)."""
+    return _variant_files(tmp_path_factory, tokenizer, "qwen2", "qwen2", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})
+
+
+@pytest.mark.parametrize("variant", ["llama_bias_files", "phi3_rotary_files", "qwen2_yarn_files"])
 def test_files_of_optional_features_read_back_as_written(request, variant):
     """What `twice quantize` writes of these reads back as the same model: the llama's
-    biases (q/k ones permuted as its weights are), phi3's rotated dimensions."""
+    biases (q/k ones permuted as its weights are), phi3's rotated dimensions, qwen2's YaRN."""
     folder, path = request.getfixturevalue(variant)("f32")
     arch = read_gguf(path).metadata["general.architecture"]
     want = reference(folder, path, arch)(IDS).logits[0]
     assert (logits(load(str(path), device="cpu", dtype="float32"), IDS) - want).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_yarn_as_transformers(qwen2_yarn_files):
+    """YaRN read from a file means what llama.cpp runs: its logits on twice's file are
+    transformers' on the folder (float32; llama.cpp's RoPE kernel rounds its own way)."""
+    from llamacpp import llama_logits
+
+    folder, path = qwen2_yarn_files("f32")
+    ids = IDS[0].tolist()
+    theirs, vocab = llama_logits(path, ids)
+    want = reference(folder, path, "qwen2")(IDS).logits[0]
+    assert (theirs[:, :want.shape[1]] - want).abs().max() < 5e-3
+
+
+@pytest.mark.parametrize("extra, words", [({"attention_factor": 1.5}, "attention_factor 1.5 has no GGUF form"),
+                                          ({"truncate": False}, "truncate false has no GGUF form")])
+def test_yarn_llama_cpp_cannot_express_is_one_line(model_dirs, tmp_path, capsys, extra, words):
+    import json
+    import shutil
+
+    from clirun import run_inprocess
+
+    folder = Path(shutil.copytree(model_dirs("qwen2"), tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16, **extra}
+    config.pop("rope_scaling", None)
+    (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    r = run_inprocess(["quantize", str(folder), str(tmp_path / "out.gguf"), "--type", "f32"], capsys)
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert r.code == 2 and len(lines) == 1 and words in lines[0], r.err
+    assert not (tmp_path / "out.gguf").exists()

@@ -44,7 +44,7 @@ import torch
 from twice.core.errors import TwiceError, UnsupportedModelError, WeightsError
 
 from .gguf_file import Skipped, read_gguf
-from .gguf_metadata import Metadata, positive_int, require, token_id
+from .gguf_metadata import Metadata, positive_float, positive_int, require, token_id
 from .gguf_names import hf_name
 from .gguf_tokenizer import build_tokenizer
 
@@ -248,7 +248,9 @@ def _vocab_size(metadata: dict, arch: str, src: Path) -> int:
 
 
 def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
-    """rope_scaling for the scaling types whose meaning is the same in llama.cpp and HF."""
+    """rope_scaling for the scaling types whose meaning is the same in llama.cpp and HF:
+    linear, and YaRN with llama.cpp's defaults for what transformers' yarn derives (its
+    attention factor 0.1 · ln(factor) + 1, the ramp's ends rounded outwards)."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         # Files from before rope.scaling.type carry a bare linear factor.
@@ -258,11 +260,24 @@ def _rope_scaling(metadata: dict, arch: str, src: Path) -> dict | None:
         kind = "linear"
     else:
         factor = metadata.get(f"{arch}.rope.scaling.factor")
-    if kind != "linear":
-        raise UnsupportedModelError(f"{src}: RoPE scaling type {kind!r} is not supported; supported: none, linear")
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedModelError(f"{src}: RoPE scaling type {kind!r} is not supported; supported: none, linear, "
+                                    "yarn")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        raise WeightsError(f"{src}: linear RoPE scaling needs a positive rope.scaling.factor, got {factor!r}")
-    return {"rope_type": "linear", "factor": float(factor)}
+        raise WeightsError(f"{src}: {kind} RoPE scaling needs a positive rope.scaling.factor, got {factor!r}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    for key in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor"):  # llama.cpp's knobs beyond transformers'
+        if metadata.get(f"{arch}.rope.scaling.{key}", 1.0) != 1.0:
+            raise UnsupportedModelError(f"{src}: yarn RoPE scaling with {arch}.rope.scaling.{key} "
+                                        f"{metadata[f'{arch}.rope.scaling.{key}']!r} is not supported (1 only)")
+    scaling = {"rope_type": "yarn", "factor": float(factor),
+               "original_max_position_embeddings": positive_int(metadata, f"{arch}.rope.scaling.original_context_length",
+                                                                src)}
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{key}" in metadata:
+            scaling[hf] = positive_float(metadata, f"{arch}.rope.scaling.{key}", src)
+    return scaling
 
 
 # llama3 RoPE settings are not metadata in a GGUF: llama.cpp stores the per-frequency

@@ -253,6 +253,15 @@ def _shared_metadata(config: ModelConfig, raw: dict, arch: str) -> list[tuple[st
         kv += [(f"{arch}.rope.scaling.type", "string", "linear"),
                (f"{arch}.rope.scaling.factor", "float32", float(rope["factor"]))]
     elif kind == "yarn":
+        # llama.cpp derives the attention factor (0.1 · ln(factor) + 1) and rounds the ramp's ends
+        # outwards as transformers does by default; a config that sets them otherwise has no form
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if rope.get(key) is not None:
+                raise UnsupportedModelError(f"yarn RoPE scaling with {key} {rope[key]!r} has no GGUF form (llama.cpp "
+                                            "derives the attention factor from the factor alone)")
+        if rope.get("truncate", True) is not True:
+            raise UnsupportedModelError("yarn RoPE scaling with truncate false has no GGUF form (llama.cpp rounds the "
+                                        "ramp's ends)")
         kv += [(f"{arch}.rope.scaling.type", "string", "yarn"),
                (f"{arch}.rope.scaling.factor", "float32", float(rope.get("factor") or 1.0)),
                (f"{arch}.rope.scaling.original_context_length", "uint32",
