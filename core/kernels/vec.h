@@ -33,34 +33,18 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v);
 }
 
-/* Lane k = the lane sum of v[k], for 16 vectors: a transpose-and-add tree. The first two
- * levels shuffle within 128-bit blocks (cheap), turning each 4 vectors into one whose
- * block j holds their partial sums over block j; the last two add the blocks together
- * with 128-bit block shuffles. 30 shuffles and 15 adds, 24 of the shuffles in-block. */
-static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
-    __m512 x[4];
-    for (int g = 0; g < 4; g++) {
-        const __m512 *a = v + 4 * g;
-        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-        /* s01 block: [a0, a1, a0, a1] partials, s23: [a2, a3, a2, a3]; 64-bit unpacks pair them */
-        x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    }
-    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
-    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xdd));
-}
-
-/* sum16 for vectors whose lanes 0-7 and 8-15 belong to two different sums (a key's two
- * blocks, each scaled on its own): lane k of *a = the sum of v[k]'s lanes 0-7, of *b = of
- * its lanes 8-15. sum16's tree up to its last add, which is the one that joins the halves. */
+/* The lane sums of 16 vectors, each split in two: lane k of *a = the sum of v[k]'s lanes 0-7,
+ * of *b = of its lanes 8-15 (a key's two blocks, each scaled on its own; sum16 adds them). A
+ * transpose-and-add tree: the first two levels shuffle within 128-bit blocks (cheap), turning
+ * each 4 vectors into one whose block j holds their partial sums over block j; the last level
+ * gathers the blocks with 128-bit block shuffles. */
 static inline __attribute__((always_inline)) void sum16_halves(const __m512 v[16], __m512 *a, __m512 *b) {
     __m512 x[4];
     for (int g = 0; g < 4; g++) {
         const __m512 *u = v + 4 * g;
         const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
         const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+        /* s01 block: [u0, u1, u0, u1] partials, s23: [u2, u3, u2, u3]; 64-bit unpacks pair them */
         x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
                              _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
     }
@@ -69,6 +53,14 @@ static inline __attribute__((always_inline)) void sum16_halves(const __m512 v[16
     const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
     *a = _mm512_shuffle_f32x4(p, q, 0x88);
     *b = _mm512_shuffle_f32x4(p, q, 0xdd);
+}
+
+/* Lane k = the lane sum of v[k], for 16 vectors: 30 shuffles and 15 adds, 24 of the shuffles
+ * in-block. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
+    __m512 a, b;
+    sum16_halves(v, &a, &b);
+    return _mm512_add_ps(a, b);
 }
 
 /* Lanes j .. j+15 that lie in [lo, n): the mask of a row's partial first and last vectors. */
