@@ -151,13 +151,37 @@ def _check_before_measuring(repeats, json_out, plot, shape, model, weights, kv, 
     if kv and (workload or engine):
         raise PromptError(f"{'-w/--workload' if workload else '-e/--engine'} has no effect with --kv "
                           "(it sweeps twice's decode over context x --kv-dtype)")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise PromptError("--plot needs matplotlib (pip install matplotlib)")
     for path, flag in ((json_out, "--json"), (plot, "--plot")):
-        if path is None:
-            continue
+        if path is not None:
+            _check_output(path, flag)
+    if plot is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if (plot.suffix[1:] or "png").lower() not in kinds:
+            raise PromptError(f"--plot {plot}: matplotlib draws {', '.join(sorted(kinds))} (by the file's suffix), "
+                              f"not {plot.suffix!r}")
+
+
+def _check_output(path: Path, flag: str) -> None:
+    """A file --json / --plot can write once the measuring is done: a name this system allows
+    (is_dir raises on one too long), in a folder that exists and takes a new file (tried, and
+    removed)."""
+    import tempfile
+
+    from twice.core.errors import PromptError
+
+    from .format import os_message
+
+    try:
         if path.is_dir():
             raise PromptError(f"{flag} {path}: is a folder; give a file name")
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
             raise PromptError(f"{flag} {path}: the folder {parent} does not exist")
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise PromptError("--plot needs matplotlib (pip install matplotlib)")
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name[:32]}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise PromptError(f"{flag} {path}: cannot be written ({os_message(e)})") from None

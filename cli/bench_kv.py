@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from twice.core.config import MAX_SIZE
 from twice.core.errors import PromptError
 
 from .console import wide_console
@@ -28,8 +29,8 @@ def check_kv_options(kv: bool, kv_dtypes, contexts, batch: int) -> None:
         return
     if any(c < 1 for c in contexts or ()):
         raise PromptError(f"--kv-context must be at least 1 token, got {min(contexts)}")
-    if batch < 1:
-        raise PromptError(f"--kv-batch must be at least 1, got {batch}")
+    if not 1 <= batch <= MAX_SIZE:
+        raise PromptError(f"--kv-batch must be 1 to {MAX_SIZE:,}, got {batch:,}")
 
 
 def run_kv(model, setup: dict, kv_dtypes, contexts, batch: int, repeats: int, quick: bool, json_out, plot, say):
@@ -37,14 +38,15 @@ def run_kv(model, setup: dict, kv_dtypes, contexts, batch: int, repeats: int, qu
 
     limit = model.config.max_position_embeddings
     steps = 4 if quick else 16
-    wanted = list(contexts or (QUICK_CONTEXTS if quick else bk.CONTEXTS))
+    wanted = list(dict.fromkeys(contexts or (QUICK_CONTEXTS if quick else bk.CONTEXTS)))  # each once
     usable = [c for c in wanted if c + steps <= limit]
     if not usable:
         raise PromptError(f"no --kv-context fits the model's context of {limit:,} tokens (with {steps} decode steps)")
     for c in wanted:
         if c not in usable:
-            say(f"skip context {c:,}: longer than the model's {limit:,}")
-    types = list(kv_dtypes or bk.KV_DTYPES)
+            say(f"skip context {c:,}: with {steps} decode steps it needs {c + steps:,} positions, the model has "
+                f"{limit:,}")
+    types = list(dict.fromkeys(kv_dtypes or bk.KV_DTYPES))
     if not kv_dtypes:  # the default sweep leaves out what this model's head size cannot hold
         from twice.core.cache import KVDtypeError, kv_format
 

@@ -4,11 +4,14 @@
 A file that cannot be used (another model's, stale, corrupt, not a prompt cache) is
 refused in one notice and the run goes on with a normal prefill; a file that cannot be
 written (a read-only folder, a full disk, a link) is one notice too and the run's result
-stands. A file that is not a twice prompt cache is never replaced.
+stands. A stale or corrupt cache is replaced by this run's; a sound cache of another model,
+tokenizer, dtype or kv dtype is kept (it still serves the runs it was made for), and a file
+that is not a twice prompt cache is never replaced.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,7 @@ class PromptCacheUse:
     saved_tokens: int = 0
     not_saved: str | None = None  # why it was not written
     missing: bool = False  # no file there (a first run makes it; with --prompt-cache-ro, a typo?)
+    foreign: bool = False  # a sound cache of another model or setting: kept
 
     def to_dict(self) -> dict:
         return {"file": self.file, "loaded_tokens": self.loaded_tokens, "refused": self.refused,
@@ -44,8 +48,15 @@ def check_options(path: str | None, read_only: bool, tp: int = 1) -> None:
         raise UsageError("--prompt-cache needs a file name")
     if tp > 1:
         raise UsageError("--prompt-cache does not work with --tp (a cache file holds one process's keys and values)")
-    if user_path(path).is_dir():
-        raise UsageError(f"--prompt-cache {path}: is a folder, not a file")
+    if path.endswith(("/", os.sep)):
+        raise UsageError(f"--prompt-cache {path}: names a folder (it ends with {path[-1]}); give a file name")
+    try:
+        if user_path(path).is_dir():
+            raise UsageError(f"--prompt-cache {path}: is a folder, not a file")
+    except OSError as e:  # a name longer than the system allows, ...
+        from .format import os_message
+
+        raise UsageError(f"--prompt-cache {path}: {os_message(e)}") from None
 
 
 def _reason(e: Exception, path: Path) -> str:
@@ -58,6 +69,7 @@ def load(engine, path: str) -> PromptCacheUse:
     """Load `path` into the engine's session cache if it is there and belongs to this
     model; `refused` says why not (the engine is then untouched)."""
     from twice.core.errors import TwiceError
+    from twice.core.prompt_cache import ForeignPromptCache
     from twice.weights import prompt_cache_file as pcf
 
     use = PromptCacheUse(file=path)
@@ -70,6 +82,7 @@ def load(engine, path: str) -> PromptCacheUse:
         use.loaded_ids = list(engine.cached_ids)
     except TwiceError as e:
         use.refused = _reason(e, p)
+        use.foreign = isinstance(e, ForeignPromptCache)
     return use
 
 
@@ -82,6 +95,9 @@ def save(engine, use: PromptCacheUse, tokens: int, ids: list[int] | None = None)
     p = user_path(use.file)
     if ids is not None and use.loaded_ids == ids:
         return  # the file already holds this prompt
+    if use.foreign:
+        use.not_saved = "it holds a sound cache for another model or setting (kept; delete it or name another file)"
+        return
     if (p.exists() or p.is_symlink()) and not p.is_symlink() and p.is_file() and not pcf.looks_like_one(p):
         use.not_saved = "the file exists and is not a twice prompt cache (not replaced; choose another name)"
         return

@@ -51,6 +51,11 @@ class PromptCacheError(TwiceError):
     shift the model cannot do; the run goes on without it where that makes sense."""
 
 
+class ForeignPromptCache(PromptCacheError):
+    """A sound prompt cache made for another model, tokenizer, dtype or kv dtype: not used, and
+    not replaced by this run's (it is still good for the runs it was made for)."""
+
+
 # -- what a cache stores ----------------------------------------------------------------
 def stored_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
     """The cache's own tensors laid out [layers, batch, kv_heads, capacity, ...], by

@@ -258,6 +258,8 @@ def test_another_models_and_another_dtypes_files_are_refused(model_dirs, tmp_pat
 
 
 def test_a_foreign_file_is_never_replaced_and_a_stale_one_is(model_dirs, tmp_path, capsys):
+    """Not a prompt cache, or another model's sound one: kept. Corrupt, truncated, an older
+    version: replaced by this run's."""
     folder = model_dirs("llama")
     path = tmp_path / "weights.safetensors"
     _not_ours(path)
@@ -265,10 +267,25 @@ def test_a_foreign_file_is_never_replaced_and_a_stale_one_is(model_dirs, tmp_pat
     out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(path))
     assert path.read_bytes() == before
     assert any("not saved" in line and "not a twice prompt cache" in line for line in err), err
-    stale = _saved(model_dirs, tmp_path, family="qwen3", name="stale.kv")
+    # Another model's sound cache still serves that model: refused, kept, and said so.
+    other = _saved(model_dirs, tmp_path, family="qwen3", name="other.kv")
+    before = other.read_bytes()
+    out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(other))
+    assert other.read_bytes() == before
+    assert any("not saved" in line and "another model or setting (kept" in line for line in err), err
+    # A corrupt one is ours to replace.
+    stale = _saved(model_dirs, tmp_path, name="stale.kv")
+    _flip_last_byte(stale)
     out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(stale))
     again, _ = _gen_cli(folder, PROMPT + " and more", capsys, "--prompt-cache", str(stale))
     assert again["reused_tokens"] == out["prompt_tokens"]  # replaced by this model's cache
+    # So is a truncated one (its header still says it is a twice prompt cache).
+    cut = _saved(model_dirs, tmp_path, name="cut.kv")
+    cut.write_bytes(cut.read_bytes()[: len(cut.read_bytes()) // 2])
+    out, err = _gen_cli(folder, PROMPT, capsys, "--prompt-cache", str(cut))
+    assert not any("not saved" in line for line in err), err
+    again, _ = _gen_cli(folder, PROMPT + " and more", capsys, "--prompt-cache", str(cut))
+    assert again["reused_tokens"] == out["prompt_tokens"]
     # A file an older twice wrote (version 1) is ours too: refused, then replaced (it was kept
     # as "not a twice prompt cache", refused again on every run).
     old = _saved(model_dirs, tmp_path, name="old.kv")

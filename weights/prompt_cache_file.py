@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from twice.core.errors import WeightsError
-from twice.core.prompt_cache import FORMAT, TOKEN_IDS, VERSION, PromptCacheError
+from twice.core.prompt_cache import FORMAT, TOKEN_IDS, VERSION, ForeignPromptCache, PromptCacheError
 
 MAX_HEADER_BYTES = 1 << 20  # a prompt cache's header names a few tensors: kilobytes
 
@@ -64,11 +64,21 @@ def write(path: Path, tensors: dict[str, torch.Tensor], ids: list[int], metadata
 
 
 def looks_like_one(path: Path) -> bool:
-    """Whether `path` is a prompt-cache file by its header (to replace it without asking)."""
-    try:  # of any version: a file an older twice wrote is ours to replace
-        _header(Path(path), any_version=True)
-        return True
-    except PromptCacheError:
+    """Whether `path` is a prompt-cache file by its header's metadata (to replace it without
+    asking): of any version (a file an older twice wrote is ours to replace), and damaged
+    past its header (a truncated cache is still ours)."""
+    from .files import open_regular
+
+    try:
+        with open_regular(Path(path), PromptCacheError) as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if not 2 <= length <= MAX_HEADER_BYTES:
+                return False
+            header = json.loads(f.read(length))
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return isinstance(meta, dict) and meta.get("format") == FORMAT
+    except (PromptCacheError, OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return False
 
 
@@ -107,11 +117,11 @@ def read(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dty
     meta = header["__metadata__"]
     for key, flag in (("dtype", "--dtype"), ("kv_dtype", "--kv-dtype")):
         if meta.get(key) != expected[key]:
-            raise PromptCacheError(f"{path}: holds a {meta.get(key)} cache, this run's is {expected[key]} ({flag})")
+            raise ForeignPromptCache(f"{path}: holds a {meta.get(key)} cache, this run's is {expected[key]} ({flag})")
     if meta.get("fingerprint") != expected["fingerprint"]:
         made = meta.get("model_type") or "another model"
-        raise PromptCacheError(f"{path}: made with another model or tokenizer: {made}, fingerprint "
-                               f"{str(meta.get('fingerprint'))[:12]}, this model's {expected['fingerprint'][:12]}")
+        raise ForeignPromptCache(f"{path}: made with another model or tokenizer: {made}, fingerprint "
+                                 f"{str(meta.get('fingerprint'))[:12]}, this model's {expected['fingerprint'][:12]}")
     names = set(header) - {"__metadata__"}
     if names != set(layout) | {TOKEN_IDS}:
         raise PromptCacheError(f"{path}: holds tensors {sorted(names)}, this model's cache stores "
