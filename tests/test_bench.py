@@ -75,12 +75,28 @@ def test_bench_rejects_unknown_names(capsys):
     (["--model", "some-model"], "--model has no effect with --shape"),  # was ignored
     (["--quantize", "q8_0"], "--quantize has no effect with --shape"),
     (["--kv", "-w", "decode"], "-w/--workload has no effect with --kv"),
+    # these were tracebacks, the last three after the whole sweep
+    (["--json", "x" * 300 + ".json"], "cannot be written (File name too long)"),
+    (["--json", "/proc/self/x.json"], "/proc/self/x.json: cannot be written"),
+    (["--plot", "out.txt"], "matplotlib draws"),
+    (["--kv", "--kv-batch", str(2**63)], "--kv-batch must be 1 to 2,147,483,647"),
 ])
 def test_bench_refuses_before_measuring(capsys, args, words):
     from clirun import one_error_line
 
     line = one_error_line(run_inprocess(["bench", "--shape", "tiny", "--quick", *args], capsys))
     assert words in line, line
+
+
+def test_bench_kv_measures_each_setting_once(capsys):
+    r = run_inprocess(["bench", "--shape", "tiny", "--kv", "--quick", "--repeats", "1", "--kv-context", "16",
+                       "--kv-context", "16", "--kv-context", "1000000", "--kv-dtype", "float32", "--kv-dtype",
+                       "float32"], capsys)
+    assert r.code == 0, r.err
+    rows = [line for line in r.out.splitlines() if line.startswith("│ float32")]
+    assert len(rows) == 1, r.out
+    said = " ".join(r.err.split())  # the console wraps it
+    assert "skip context 1,000,000: with 4 decode steps it needs 1,000,004 positions, the model has 4,096" in said
 
 
 def test_bench_that_measures_nothing_says_so(capsys):
