@@ -117,6 +117,11 @@ def test_prompt_cache_ro_alone_and_a_folder_are_one_line(model_dirs, tmp_path, c
     assert "--prompt-cache-ro needs --prompt-cache FILE" in one_error_line(r)
     r = run_inprocess(["generate", "hi", "--model", str(folder), "--prompt-cache", str(tmp_path)], capsys)
     assert "is a folder" in one_error_line(r)
+    # a name that ends as a folder's was written as a file of that name; one too long was a traceback
+    for name, words in ((f"{tmp_path}/new/", "names a folder (it ends with /)"), ("x" * 300 + ".kv", "too long")):
+        r = run_inprocess(["generate", "hi", "--model", str(folder), "--prompt-cache", name], capsys)
+        assert words in one_error_line(r)
+    assert not (tmp_path / "new").exists()
     # a read-only cache that is not there (a typo?) is said once, and nothing is written
     missing = tmp_path / "typo.kv"
     r = run_inprocess(["generate", "hi", "-n", "1", "--model", str(folder), "--prompt-cache", str(missing),
