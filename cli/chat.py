@@ -133,6 +133,11 @@ def chat(
     engine = Engine(loaded.model, tokenizer, loaded.eos_token_ids, compile=compile,
                     draft=drafted.model if drafted is not None else None, kv_dtype=kv_dtype)
     o.settle_loaded()
+    if keep is not None and keep >= engine.context_length:
+        from twice.core.errors import UsageError
+
+        raise UsageError(f"--keep {keep:,} protects the whole context ({engine.context_length:,} tokens), so "
+                         "--context-shift could never drop a token; keep fewer")
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
     session.context_shift, session.keep = context_shift, keep or 0

@@ -452,6 +452,9 @@ def test_context_shift_is_refused_where_keys_cannot_move(model_dirs, capsys, mon
     assert "--context-shift does not work with longrope" in one_error_line(r)
     r = run_inprocess(["chat", "--model", str(model_dirs("llama")), "--keep", "4"], capsys, b"hi\n", monkeypatch)
     assert "--keep needs --context-shift" in one_error_line(r)
+    r = run_inprocess(["chat", "--model", str(model_dirs("llama")), "--context-shift", "--keep", "256"], capsys,
+                      b"hi\n", monkeypatch)  # context 256: nothing could ever be dropped
+    assert "--keep 256 protects the whole context (256 tokens)" in one_error_line(r)
 
 
 def test_chat_context_shift_drops_old_turns_and_prefills_only_the_new(model_dirs, capsys, monkeypatch):
