@@ -153,9 +153,11 @@ def result_text(p: dict) -> str:
     first = ("" if p["bos_token_ids"] else ", except each window's first")
     cut = (f" (the first {p['tokens_used']:,} of its {p['text_tokens']:,})"
            if p["tokens_used"] < p["text_tokens"] else "")
-    windows = "1 window" if p["windows"] == 1 else f"{p['windows']:,} windows"
+    from .format import counted
+
     lines = [
-        f"perplexity {p['perplexity']:.4f} over {p['tokens']:,} tokens in {windows} of {p['context']:,} "
+        f"perplexity {p['perplexity']:.4f} over {counted(p['tokens'], 'token')} in {counted(p['windows'], 'window')} "
+        f"of {p['context']:,} "
         f"({p['model']}, {p['device']} {p['dtype']}"
         + (f", KV cache {p['kv_dtype']}" if p.get("kv_dtype") not in (None, p["dtype"]) else "")
         + f"; {p['tokens_per_second']:,.0f} tok/s)",

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .console import wide_console
-from .format import human_bytes, percentile, seconds
+from .format import counted, human_bytes, percentile, seconds
 
 REPORT_WIDTH = 120
 
@@ -37,9 +37,9 @@ def stats_lines(result, loaded=None) -> list[str]:
         lines.append(f"load      {seconds(loaded.load_seconds)} · {r.device} {r.dtype}" + (f" ({why})" if why else ""))
     if getattr(r, "compile_seconds", 0.0):  # before the request, so in neither TTFT nor decode
         lines.append(f"compile   {seconds(r.compile_seconds)} (the decode step, before this request)")
-    lines.append(f"prefill   {new:,} tokens{reused} in {seconds(r.prefill_seconds)}, "
+    lines.append(f"prefill   {counted(new, 'token')}{reused} in {seconds(r.prefill_seconds)}, "
                  f"{r.prefill_tokens_per_second:,.1f} tok/s · TTFT {seconds(r.ttft_seconds)}")
-    decode = f"decode    {r.generated_tokens:,} tokens in {seconds(r.decode_seconds)}"
+    decode = f"decode    {counted(r.generated_tokens, 'token')} in {seconds(r.decode_seconds)}"
     if r.decode_tokens_per_second:
         decode += f", {r.decode_tokens_per_second:,.1f} tok/s"
     lines.append(decode + f" ({getattr(r, 'decode_path', 'eager')} step; finish: {r.finish_reason})")
