@@ -477,9 +477,12 @@ def test_chat_context_shift_drops_old_turns_and_prefills_only_the_new(model_dirs
     # without the flag: today's refusal with the smallest /drop
     r = run_inprocess(args, capsys, script, monkeypatch)
     assert "no longer fits the context" in r.err and "/drop" in r.err
-    # --keep N protecting every turn: nothing may be dropped, so the same refusal
-    r = run_inprocess([*args, "--context-shift", "--keep", "1000"], capsys, script, monkeypatch)
+    # --keep N protecting every turn: nothing may be dropped, so the same refusal; N at or past
+    # the context could never let a token go: one line before the chat starts
+    r = run_inprocess([*args, "--context-shift", "--keep", "255"], capsys, script, monkeypatch)
     assert "no longer fits the context" in r.err and "context shift" not in r.err
+    r = run_inprocess([*args, "--context-shift", "--keep", "1000"], capsys, script, monkeypatch)
+    assert r.code == 2 and "--keep 1,000 protects the whole context (256 tokens)" in r.err
     # --keep N shorter than the system message protects the system message only: the first
     # turn begins after it (it was taken to begin at 0, so it was kept and nothing could go).
     r = run_inprocess([*args[:-1], "a system message of some length " * 4, "--context-shift", "--keep", "2"],
