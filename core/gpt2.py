@@ -182,7 +182,8 @@ def _gguf_write(config: ModelConfig, raw: dict, arch: str) -> list:
     return [(f"{arch}.attention.layer_norm_epsilon", "float32", config.rms_norm_eps)]
 
 
-# transformers' names of the GELU llama.cpp's gpt2 computes (exact "gelu" is another function).
+# transformers' names of the GELU llama.cpp's gpt2 computes whatever the file says (exact
+# "gelu" is another function): the form's activations, which the writer checks.
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
@@ -190,9 +191,6 @@ def _gguf_check(config: ModelConfig, where) -> None:
     if config.scale_attn_by_inverse_layer_idx or not config.scale_attn_weights:
         raise UnsupportedModelError(f"{where}: GPT-2 attention scaling options (scale_attn_weights false, "
                                     "scale_attn_by_inverse_layer_idx) have no GGUF form")
-    if config.hidden_act not in _TANH_GELU:  # llama.cpp's gpt2 runs the tanh approximation, whatever the file
-        raise UnsupportedModelError(f"{where}: GPT-2 with activation {config.hidden_act!r} has no GGUF form "
-                                    "(llama.cpp's gpt2 runs the tanh-approximated GELU, gelu_new)")
 
 
 FAMILY = Family(
