@@ -288,8 +288,8 @@ int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out) {
  * rows 0..7. Per (activation row, block) one integer dot product gives the 8 weight rows'
  * sums in the 8 int32 lanes of a vector, so one conversion and one fused multiply-add
  * (scale d_w[8]·d_x) serve 8 weight rows: row i of the group accumulates
- * acc = fma(d_i·d_x, Σ_j q_ij·x_j, acc) block after block (and accm = fma(m_i, d_x·Σx_q,
- * accm) for Q4_1/Q5_1), its result acc + accm. */
+ * acc = fma(d_i·d_x, Σ_j q_ij·x_j, acc) block after block (then acc = fma(m_i, d_x·Σx_q, acc)
+ * for Q4_1/Q5_1: one accumulator a row, so 8 rows' fit in the registers beside their sums). */
 
 static int x8_fields(int type, int *qh_at) { /* where the quants start in a block of the group */
     const int has_min = type == QT_Q4_1 || type == QT_Q5_1, five = type == QT_Q5_0 || type == QT_Q5_1;
@@ -361,7 +361,7 @@ static void ref_x8(int type, int nr, const uint8_t *w, const uint8_t *x, int64_t
         const int8_t *xq = (const int8_t *)xr;
         const float *xd = LEGACY_DX(xr, n);
         for (int i = 0; i < 8; i++) {
-            float acc = 0.0f, accm = 0.0f;
+            float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 uint8_t tmp[34];
                 int q[QK];
@@ -371,9 +371,9 @@ static void ref_x8(int type, int nr, const uint8_t *w, const uint8_t *x, int64_t
                 int32_t isum = 0;
                 for (int j = 0; j < QK; j++) isum += q[j] * xq[b * QK + j];
                 acc = X8_FMA(d * xd[2 * b], (float)isum, acc);
-                if (has_min) accm = X8_FMA(m, xd[2 * b + 1], accm);
+                if (has_min) acc = X8_FMA(m, xd[2 * b + 1], acc);
             }
-            y[r * ldy + i] = acc + accm;
+            y[r * ldy + i] = acc;
         }
     }
 }
@@ -470,8 +470,8 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
                                                           int64_t ldy) {
     X8_LAYOUT(T);
     const int64_t nb = n / QK;
-    __m256 acc[8], accm[8];
-    for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[8];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * B;
         for (int l = 0; l < B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
@@ -518,10 +518,10 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
             const float *dx = LEGACY_DX(x + r * xs, n) + 2 * b;
             const __m256i isum = NR > 4 ? s[r] : _mm256_add_epi32(s[r], t[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx)), _mm256_cvtepi32_ps(isum), acc[r]);
-            if (has_min) accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), accm[r]);
+            if (has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
@@ -530,8 +530,8 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
     X8_LAYOUT(T);
     const int64_t nb = n / QK;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4], accm[4];
-    for (int r = 0; r < NR; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * B;
         for (int l = 0; l < B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
@@ -593,10 +593,10 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
             }
             const float *dx = LEGACY_DX(xr, n) + 2 * b;
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx)), _mm256_cvtepi32_ps(isum), acc[r]);
-            if (has_min) accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), accm[r]);
+            if (has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(dx + 1), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, has_min ? _mm256_add_ps(acc[r], accm[r]) : acc[r]);
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #endif
 
@@ -632,7 +632,7 @@ AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
  * rows, Zen 4), else 4 (Q4_1/Q5_1's second accumulators would not fit beside 8 rows': 0.96-1.15x). */
 int twq_x8_tile_rows(int type) {
 #ifdef X8_VNNI
-    if (type == QT_Q4_0 || type == QT_Q5_0 || type == QT_Q8_0) return 8;
+    return 8;
 #endif
     (void)type;
     return 4;
