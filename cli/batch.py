@@ -82,15 +82,15 @@ def line_settings(record: Record, base):
     return dataclasses.replace(base, **changes) if changes else base
 
 
-def settings_record(record: Record, settings, use_chat: bool, system: str | None) -> dict:
-    """The settings that choose a line's tokens (`settings`: its line_settings), as its result
-    line records them: --resume compares them, so that one file never holds answers drawn
-    two ways."""
+def settings_record(record: Record, settings, use_chat: bool, system: str | None, numerics: dict) -> dict:
+    """The settings that choose a line's tokens (`settings`: its line_settings; `numerics`:
+    the run's core.engine.numerics), as its result line records them: --resume compares
+    them, so that one file never holds answers drawn two ways."""
     p = settings.sampling
     chat = record.messages is not None or use_chat
     out = {"max_new_tokens": settings.max_new_tokens, "temperature": p.temperature, "top_k": p.top_k,
            "top_p": p.top_p, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "seed": p.seed,
-           "stop": list(settings.stop), "chat": chat}
+           "stop": list(settings.stop), "chat": chat, **numerics}
     own_system = record.messages is not None and record.messages[0].get("role") == "system"
     if system is not None and chat and not own_system:  # where --system reaches the prompt
         out["system"] = system
@@ -99,7 +99,7 @@ def settings_record(record: Record, settings, use_chat: bool, system: str | None
     return out
 
 
-def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str | None):
+def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str | None, numerics: dict):
     """Settings and token ids for each record; a line that cannot be tokenized (its chat
     template fails, say) becomes a LineError like a malformed line."""
     jobs: list[Job] = []
@@ -111,7 +111,7 @@ def plan_jobs(records: list[Record], engine, base, use_chat: bool, system: str |
         except TwiceError as e:
             errors.append(LineError(record.line, str(e)))
             continue
-        jobs.append(Job(record, settings, ids, settings_record(record, settings, use_chat, system)))
+        jobs.append(Job(record, settings, ids, settings_record(record, settings, use_chat, system, numerics)))
     return jobs, errors
 
 
@@ -390,6 +390,7 @@ class Plan:
     use_chat: bool = False
     compile: bool = False  # --compile: the torch.compile'd decode step (and CUDA graphs on a GPU)
     kv_dtype: str = "auto"  # --kv-dtype: the KV cache's element type (core/cache.py)
+    numerics: dict = field(default_factory=dict)  # core.engine.numerics of the loaded model
     stats: bool = False  # -v/--stats: a few lines at the end
     quiet: bool = False  # a tensor-parallel rank other than 0: compute, write nothing
     model: str | None = None  # the loaded model's name, on every result line (and checked by --resume)
@@ -574,6 +575,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
                         locks=None, stats=False, weights=None, draft=None, lookup=False, kv_dtype="auto"):
     """Everything one process does; in data-parallel mode, its share into its part file.
     Returns (output path, all records) for the merge when there is one."""
+    from twice.core.engine import numerics
     from twice.weights.load import load
 
     if data_parallel and output in (None, "-"):
@@ -638,12 +640,13 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
         if (ignored := o.system_ignored(plan.system, chat, plan.use_chat, " for prompt lines (messages lines keep it)")):
             _say(f"note: {ignored}")
     base = _base_settings(loaded, *settings)
+    plan.numerics = numerics(loaded.model, plan.kv_dtype)
     expected = {}  # what this run would record for the ids an earlier run answered
     for record in records:
         if any(record.key in earlier.settings for earlier, _ in resumed):
             try:
                 expected[record.key] = settings_record(record, line_settings(record, base), plan.use_chat,
-                                                       plan.system)
+                                                       plan.system, plan.numerics)
             except TwiceError:
                 pass  # a line's own bad value: its line is an error line again
     for earlier, shown in resumed:
@@ -663,7 +666,7 @@ def _run(loaded, plan: Plan, base) -> None:
     o.settle_loaded()
     if (compiled := o.compile_note(engine, plan.compile)) is not None:
         say(f"note: {compiled}")
-    jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system)
+    jobs, token_errors = plan_jobs(plan.todo, engine, base, plan.use_chat, plan.system, plan.numerics)
     if not plan.quiet:
         _report_lines(plan.name, token_errors, [])
     errors = plan.errors + token_errors

@@ -269,6 +269,17 @@ def _element_bytes(fmt) -> tuple[int, int]:
     return (fmt.bytes_per_values(fmt.block), fmt.block)
 
 
+def numerics(model: CausalLM, kv_dtype: str | None) -> dict:
+    """What besides the model and the sampling settings decides a row's tokens: the dtype it
+    computes in, the KV cache's element type (`kv_dtype` as --kv-dtype gives it, "auto"
+    resolved) and the weights' storage types (as stored, --quantize, --dequantize), as
+    `twice batch` records them on each result line so that --resume never mixes two of them."""
+    dtype = next(model.parameters()).dtype
+    return {"dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+            "kv_dtype": kv_format(kv_dtype, dtype, model.config.head_dim).name,
+            "weights": ",".join(weight_formats(model)["types"])}
+
+
 def _dropped(tokens: int, chars: int) -> str:
     """What truncate="left" dropped, for its notice."""
     if not chars:

@@ -380,9 +380,11 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
     write_jsonl(src, [{"id": 1, "prompt": "Hello"}, {"id": 2, "prompt": "world", "temperature": 0.7, "seed": 3}])
     assert batch([str(src), "-n", "2", "-o", str(dst), "--system", "Be brief."], capsys, llama).code == 0
     lines = read_lines(dst)
+    numerics = {k: lines[0]["settings"].pop(k) for k in ("dtype", "kv_dtype", "weights")}
     assert lines[0]["settings"] == {"max_new_tokens": 2, "temperature": 0.0, "top_k": 40, "top_p": 0.95,
                                     "min_p": 0.05, "repetition_penalty": 1.0, "seed": None, "stop": [], "chat": True,
                                     "system": "Be brief."}
+    assert numerics == {"dtype": "float32", "kv_dtype": "float32", "weights": "F32"}, numerics
     assert (lines[1]["settings"]["temperature"], lines[1]["settings"]["seed"]) == (0.7, 3)  # the line's own
     dst.write_bytes(b"".join(dst.read_bytes().splitlines(keepends=True)[:1]))  # as if killed after one line
     before = dst.read_bytes()
@@ -391,7 +393,11 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
                            (["--top-k", "5"], "top_k 40, this run gives 5"),
                            (["--stop", "x"], 'stop [], this run gives ["x"]'),
                            (["--raw"], "chat true, this run gives false"),
-                           (["--system", "Be long."], 'system "Be brief.", this run gives "Be long."')):
+                           (["--system", "Be long."], 'system "Be brief.", this run gives "Be long."'),
+                           # what the numbers are computed in chooses tokens too
+                           (["--dtype", "bfloat16"], 'dtype "float32", this run gives "bfloat16"'),
+                           (["--kv-dtype", "float16"], 'kv_dtype "float32", this run gives "float16"'),
+                           (["--quantize", "q8_0"], 'weights "F32", this run gives "Q8_0"')):
         r = batch([*same, *changed], capsys, llama)
         last = r.err.strip().splitlines()[-1]
         assert r.code == 2 and last.startswith(f"twice: error: {dst}:1: its result was generated with {words}"), r.err
@@ -410,6 +416,13 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
     assert "nothing to do" not in r.err and dst.read_bytes() == done
     r = batch(same, capsys, llama)
     assert r.code == 0 and "nothing to do" in r.err and dst.read_bytes() == done
+    # lines of a twice that recorded no dtype/kv_dtype/weights are continued, the rest compared
+    older = dict(read_lines(dst)[0], settings=dict(read_lines(dst)[0]["settings"]))
+    for k in numerics:
+        del older["settings"][k]
+    dst.write_text(json.dumps(older) + "\n")
+    assert batch([*same, "--dtype", "bfloat16"], capsys, llama).code == 0
+    assert read_lines(dst)[1]["settings"]["dtype"] == "bfloat16"
     # an output whose lines record no settings (an older twice's) is continued as before
     dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n')
     assert batch([*same, "-n", "5"], capsys, llama).code == 0
