@@ -55,6 +55,9 @@ Commands:
                  FILE.kv, if it is there and fits this model, spares the next turn's prefill
   /exit          leave"""
 
+# Commands that take no words after them: a word there is a mistake to say, not to ignore.
+NO_ARGUMENT = frozenset({"/help", "/reset", "/stats", "/retry", "/exit", "/quit"})
+
 TimingEach = Annotated[bool, typer.Option(
     "--timing", help="Print a timing and memory report after each reply (stderr).")]
 History = Annotated[Optional[Path], typer.Option(
@@ -501,12 +504,15 @@ class ChatSession:
             "/drop": self.cmd_drop, "/stats": self.cmd_stats, "/save": self.cmd_save, "/load": self.cmd_load,
             "/save!": lambda arg: self.cmd_save(arg, force=True), "/set": self.cmd_set, "/retry": self.cmd_retry,
         }.get(name)
-        if name in ("/exit", "/quit"):
-            return "exit"
-        if handler is None:
+        if handler is None and name not in ("/exit", "/quit"):
             self.error(f"unknown command {name}; /help lists the commands "
                        f"(//text sends a message that starts with /)")
             return None
+        if arg and name in NO_ARGUMENT:  # "/reset the system" must not clear the conversation
+            self.error(f"{name} takes nothing after it, got {arg!r}; nothing was done")
+            return None
+        if name in ("/exit", "/quit"):
+            return "exit"
         handler(arg)
         return None
 
@@ -682,9 +688,6 @@ class ChatSession:
             raise ValueError(f"the model's chat template cannot go on with it ({e})") from None
 
     def cmd_retry(self, arg: str) -> None:
-        if arg:
-            self.error("usage: /retry (generates the last reply again)")
-            return
         conversation = list(self.messages)
         if conversation and conversation[-1]["role"] == "assistant":
             conversation.pop()

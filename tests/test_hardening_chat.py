@@ -316,6 +316,20 @@ def test_system_dash_says_when_there_is_nothing_to_remove(model_dirs, capsys, mo
     assert said[-3:] == ["no system message to remove", "system message set", "system message removed"], said
 
 
+def test_a_command_that_takes_no_words_refuses_them_and_does_nothing(model_dirs, capsys, monkeypatch):
+    """"/reset the system message" cleared the whole conversation and "/exit now" left: the
+    words after a command that takes none were dropped without a word."""
+    r = chat(capsys, monkeypatch, model_dirs("llama"), ["Hello", "/reset the system message", "/exit now",
+                                                       "/retry please", "/stats x", "/help me", "again"])
+    assert r.code == 0, r.err
+    assert errors(r) == [f"error: {c} takes nothing after it, got {w!r}; nothing was done"
+                         for c, w in (("/reset", "the system message"), ("/exit", "now"), ("/retry", "please"),
+                                      ("/stats", "x"), ("/help", "me"))], errors(r)
+    assert "conversation cleared" not in r.err
+    assert len(turns(r)) == 2  # "again" was answered: /exit now did not leave
+    assert turns(r)[1][0] > turns(r)[0][0]  # and its prompt held the first turn: /reset did not clear it
+
+
 def test_crlf_lines_on_standard_input_are_lines_without_the_cr(model_dirs, tmp_path, capsys, monkeypatch):
     out = tmp_path / "c.json"
     script = f"hi\r\n/save {out}\r\n".encode()
