@@ -60,9 +60,9 @@ NO_ARGUMENT = frozenset({"/help", "/reset", "/stats", "/retry", "/exit", "/quit"
 
 TimingEach = Annotated[bool, typer.Option(
     "--timing", help="Print a timing and memory report after each reply (stderr).")]
-History = Annotated[Optional[Path], typer.Option(
-    "--history", help="File that keeps the input history. Default: chat_history in the twice cache folder.",
-    dir_okay=False)]
+History = Annotated[Optional[str], typer.Option(
+    "--history", help="File that keeps the input history ('' keeps none beyond the session). Default: "
+                      "chat_history in the twice cache folder.", show_default=False)]
 
 
 @app.command()
@@ -110,6 +110,7 @@ def chat(
     o.check_speculation(draft, draft_tokens, lookup)
     o.check_kv_dtype(kv_dtype)
     _check_shift_options(context_shift, keep)
+    history_file = _history_file(history)
     o.apply_threads(threads)
     with Readout(show_text=False) as readout:
         drafted = o.load_draft(draft, None, device, dtype, progress=lambda msg: readout.set_phase("loading", msg))
@@ -144,7 +145,7 @@ def chat(
     session = ChatSession(loaded, engine, settings, system, timing)
     session.stats = stats
     session.context_shift, session.keep = context_shift, keep or 0
-    reader = make_reader(history)
+    reader = make_reader(history_file)
     session.say(f"twice chat · {loaded.name} · context {engine.context_length} tokens · {o.dtype_words(loaded)} · "
                 "/help for commands", "dim")
     if (compiled := o.compile_note(engine, compile)) is not None:
@@ -744,6 +745,21 @@ class ChatSession:
 
 
 # -- settings and failures ----------------------------------------------------------------
+def _history_file(history: str | None) -> Path | None | bool:
+    """--history: None, the default file; '' (as bash's HISTFILE=), False: none kept beyond
+    the session; a folder is refused before the model loads."""
+    if history is None:
+        return None
+    if history == "":
+        return False
+    from twice.core.errors import UsageError
+
+    path = user_path(history)
+    if path.is_dir():
+        raise UsageError(f"--history {history}: is a folder; name a file (or --history '' to keep none)")
+    return path
+
+
 def _check_shift_options(context_shift: bool, keep: int | None) -> None:
     from twice.core.errors import UsageError
 

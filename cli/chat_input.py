@@ -266,7 +266,8 @@ class PlainReader:
             return None
 
 
-def make_reader(history: Path | None):
+def make_reader(history: Path | None | bool):
+    """history: a file, None for the default one, False for none beyond the session."""
     if sys.stdin is None or not sys.stdin.isatty():
         return PlainReader()
     try:
@@ -279,4 +280,4 @@ def make_reader(history: Path | None):
         from twice.core.paths import cache_dir
 
         history = cache_dir() / "chat_history"
-    return TerminalReader(user_path(history))
+    return TerminalReader(None if history is False else user_path(history))

@@ -566,3 +566,20 @@ def test_invalid_utf8_typed_at_the_terminal_is_not_sent(model_dirs, tmp_path):
     child.close()
     assert child.exitstatus == 0
     assert [m["content"] for m in saved(out)][0] == "Hello there"
+
+
+def test_history_empty_keeps_none_and_a_folder_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """--history '' said "file '' is a directory" (the current folder); it keeps no history
+    file now, as bash's HISTFILE=. A folder is one line before the model loads."""
+    from twice.cli import chat_input
+    from twice.cli.chat import _history_file
+
+    opened = []
+    monkeypatch.setattr(chat_input.sys, "stdin", type("Tty", (), {"isatty": lambda self: True})())
+    monkeypatch.setattr(chat_input, "TerminalReader", lambda path: opened.append(path))
+    chat_input.make_reader(_history_file(""))
+    chat_input.make_reader(_history_file(str(tmp_path / "h")))
+    assert opened == [None, tmp_path / "h"]  # None: prompt-toolkit's in-memory history (open_history)
+    r = run_inprocess(["chat", "--history", str(tmp_path), "--model", str(tmp_path / "nowhere")], capsys)
+    assert r.code == 2 and r.err.strip() == (f"twice: error: --history {tmp_path}: is a folder; name a file "
+                                             "(or --history '' to keep none)"), r.err
