@@ -304,6 +304,7 @@ class Job:
     logprobs: int | None  # None: none; k: chosen + top k
     presence: float
     frequency: float
+    bias: dict  # logit_bias: token id -> the number added to its logit
 
 
 class Parser:
@@ -317,7 +318,7 @@ class Parser:
         from twice.core.engine import GenerationSettings
         from twice.core.errors import TwiceError
         from twice.core.fields import Fields
-        from twice.core.sampling import SamplingParams
+        from twice.core.sampling import SamplingParams, logit_bias
         from twice.core.fields import unpaired_surrogate
 
         if not isinstance(body, dict):
@@ -336,8 +337,6 @@ class Parser:
             for key in ("tools", "functions"):
                 if body.get(key):
                     raise ApiError(400, f"{key} (tool calling) is not supported", param=key, code="unsupported")
-            if body.get("logit_bias"):
-                raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
             if not chat:
                 if f.bool("echo", False):
                     raise ApiError(400, "echo is not supported", param="echo", code="unsupported")
@@ -383,6 +382,7 @@ class Parser:
             _only(options.data, {"include_usage", "continuous_usage_stats"}, "stream_options", "stream_options")
             include_usage = options.bool("include_usage", False)
             logprobs = self._logprobs(f, chat)
+            bias = logit_bias(body.get("logit_bias"), self.engine.config.vocab_size)
             presence = f.float("presence_penalty", 0.0, lo=-2, hi=2)
             frequency = f.float("frequency_penalty", 0.0, lo=-2, hi=2)
             ignore_eos = f.bool("ignore_eos", False)
@@ -400,7 +400,7 @@ class Parser:
             missing = getattr(e, "missing_key", None) is not None  # OpenAI's code for a required field left out
             raise ApiError(400, message, code="missing_required_parameter" if missing else "invalid_value",
                            param=field if field.split(".", 1)[0] in allowed else None) from None
-        return Job(request, settings, stream, include_usage, logprobs, presence, frequency)
+        return Job(request, settings, stream, include_usage, logprobs, presence, frequency, bias)
 
     def _chat_request(self, f):
         from twice.core.engine import Request
@@ -697,7 +697,7 @@ def create_app(state: State):
             check_queue()  # again: others may have queued while this one was tokenized
             future = state.worker.submit(prepared, job.settings, sink, logprobs=job.logprobs,
                                          presence_penalty=job.presence, frequency_penalty=job.frequency,
-                                         submitted=arrived)
+                                         logit_bias=job.bias, submitted=arrived)
             seq_id = await asyncio.wrap_future(future)
         except ApiError:
             raise

@@ -53,6 +53,34 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+LOGIT_BIAS_MOST = 100.0  # as OpenAI's logit_bias: -100 bans a token in effect, +100 all but forces it
+
+
+def logit_bias(value, vocab_size: int) -> dict[int, float]:
+    """An OpenAI `logit_bias` object (token id, as a decimal string → a number in [-100, 100],
+    added to that token's logit before sampling) checked against the vocabulary; PromptError
+    naming the entry otherwise. {} for none."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PromptError(f"logit_bias must be an object of token ids to numbers, got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        shown = repr(key)[:40]
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+            raise PromptError(f"logit_bias: the key {shown} is not a token id (a whole number such as \"123\")")
+        token = int(key) if len(key) < 12 else vocab_size
+        if token >= vocab_size:
+            raise PromptError(f"logit_bias: token id {key[:20]} is outside the vocabulary (0..{vocab_size - 1})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or abs(bias) > LOGIT_BIAS_MOST:
+            raise PromptError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got "
+                              f"{repr(bias)[:40]}")
+        if bias:
+            out[token] = float(bias)
+    return out
+
+
 def apply_masks(logits: torch.Tensor, masks: list) -> torch.Tensor:
     """Logits [B, V] with each row's disallowed tokens at -inf: `masks[b]` is None (the row
     is free) or a bool tensor, True = allowed; ids past its length are disallowed. A copy

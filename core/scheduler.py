@@ -119,6 +119,7 @@ class _Seq:
     slot: int | None = None
     last: int = 0  # the token to feed next
     counts: torch.Tensor | None = None  # generated-token counts (presence/frequency penalties)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: token ids, the values added
     cancelled: bool = False
     pending_logprobs: tuple | None = None  # (log-softmax row, top pairs) of the step being sampled
 
@@ -192,11 +193,13 @@ class Scheduler:
 
     def submit(self, request: Request | list[int] | Prepared, settings: GenerationSettings, constraint=None,
                logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               submitted: float | None = None) -> int:
+               submitted: float | None = None, logit_bias: dict[int, float] | None = None) -> int:
         """Queue a request; returns its id (the `row` of its events). A prompt that cannot be
         served (empty, longer than the context, a failing chat template) raises TwiceError
         here, before it is queued (a `Prepared` request was checked by `prepare` already, with
-        these settings). `submitted`: when the request started (TTFT counts from it)."""
+        these settings). `submitted`: when the request started (TTFT counts from it).
+        `logit_bias`: token id → a number added to its logit before sampling (sampling.logit_bias
+        checks one)."""
         engine = self.engine
         t = submitted if submitted is not None else time.perf_counter()
         prepared = request if isinstance(request, Prepared) else self.prepare(request, settings)
@@ -216,6 +219,9 @@ class Scheduler:
         row.constraint = constraint  # Engine._accept advances it and ends the row when it is complete
         sampler = Sampler([settings.sampling], [ids], engine.config.vocab_size, engine.device)
         seq = _Seq(seq_id, row, sampler, constraint, logprobs, float(presence_penalty), float(frequency_penalty), t)
+        if logit_bias:
+            seq.bias = (torch.tensor(list(logit_bias), dtype=torch.int64, device=engine.device),
+                        torch.tensor([list(logit_bias.values())], dtype=torch.float32, device=engine.device))
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         self.counters.submitted += 1
@@ -532,7 +538,7 @@ class Scheduler:
     def _sample_rows(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
         """Each row's next token under its own settings; greedy rows with nothing to adjust
         share one argmax over the batch (as Engine's sampler does)."""
-        plain = [not (s.constraint or s.presence or s.frequency or s.logprobs is not None)
+        plain = [not (s.constraint or s.presence or s.frequency or s.logprobs is not None or s.bias is not None)
                  and s.sampler.all_greedy for s in seqs]
         out: list[int] = [0] * len(seqs)
         if all(plain):
@@ -552,6 +558,8 @@ class Scheduler:
                 x = x.float()
                 if seq.counts is not None:
                     x = x - seq.frequency * seq.counts - seq.presence * (seq.counts > 0)
+            if seq.bias is not None:  # out of place: x may be a view of the batch's logits
+                x = x.float().index_add(1, seq.bias[0], seq.bias[1])
             if seq.constraint is not None:
                 x = _apply_constraint(seq.constraint, x)
             token = seq.sampler(x)

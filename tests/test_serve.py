@@ -145,6 +145,52 @@ def test_presence_and_frequency_penalties_are_openais_rule(server, model, engine
     assert plain.json()["choices"][0]["text"] != want  # the penalties changed this completion
 
 
+def test_logit_bias_is_added_to_the_logits_before_sampling(server, model, engine):
+    """Greedy with logit_bias: each token is the argmax of the model's logits plus the bias
+    (computed here from full forward passes); -100 on the plain greedy tokens steers away
+    from all of them, +100 forces one; bad entries are 400s naming logit_bias."""
+    import torch
+
+    from twice.core.cache import KVCache
+
+    prompt = engine.tokenizer.encode("Hello there, how", add_special_tokens=False)
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    banned = set(engine.tokenizer.encode(plain, add_special_tokens=False))
+    bias = {str(t): -100 for t in banned} | {"7": 3.5}
+    r = _post(server, "/v1/completions", {**body, "logit_bias": bias})
+    assert r.status_code == 200, r.text
+    add = torch.zeros(engine.config.vocab_size)
+    for t, b in bias.items():
+        add[int(t)] = b
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(8):
+            logits = engine.model(torch.tensor([ids]), KVCache(engine.config, 1, 64, torch.float32, "cpu")).float()[0]
+            token = int(torch.argmax(logits[-1] + add))
+            if token in engine.eos:
+                break
+            ids.append(token)
+    got = r.json()["choices"][0]["text"]
+    assert got == engine.tokenizer.decode(ids[len(prompt):]) and got != plain
+    assert not banned & set(ids[len(prompt):])
+    forced = _post(server, "/v1/completions", {**body, "logit_bias": {"42": 100}, "ignore_eos": True})
+    assert forced.json()["choices"][0]["text"] == engine.tokenizer.decode([42] * 8)
+    streamed = _post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 3, "stream": True, "logit_bias": {"42": 100},
+                                                     "ignore_eos": True})
+    assert streamed.status_code == 200 and streamed.text.count("data: ") >= 4, streamed.text
+    vocab = engine.config.vocab_size
+    for bad, words in (([1], "must be an object"), ({"x": 1}, 'the key \'x\' is not a token id'),
+                       ({"01": 1}, "is not a token id"), ({"-1": 1}, "is not a token id"),
+                       ({str(vocab): 1}, f"token id {vocab} is outside the vocabulary"),
+                       ({"99999999999999999999": 1}, "outside the vocabulary"),
+                       ({"5": 101}, "must be a number in [-100, 100], got 101"),
+                       ({"5": True}, "got True"), ({"5": "1"}, "got '1'")):
+        e = _error(_post(server, "/v1/completions", {**body, "logit_bias": bad}), 400, "invalid_value", [words])
+        assert e["param"] == "logit_bias", e
+
+
 def test_chat_streaming_and_not_equal_twice_generate(server, model, capsys):
     want = _generate(["Tell me a story", "-n", "10"], capsys, model)
     client = server.client()
