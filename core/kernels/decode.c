@@ -788,8 +788,12 @@ static inline __attribute__((always_inline)) void attend_heads_blocks16(const Di
  * rounded to bf16. SDPA's bf16 kernel, on eager's dequantized cache, rounds e^(s − max) and
  * d·q to bf16 each; here one rounding of e^(s − max)·d stands for both, and the keys stay
  * exact (the query is bf16 already): both stay within two bf16 roundings of exact attention on
- * the dequantized blocks (tests/test_kv_bf16.py). */
+ * the dequantized blocks (tests/test_kv_bf16.py). With AVX-512 VNNI the keys skip the lookups:
+ * the query, rounded to int8 per block, meets their bytes in integer dot products
+ * (key_sums_int8), and the scores carry that rounding of the query, as llama.cpp's do. */
 #define KV_BF16_SPAN (2 * 1024) /* most keys of one call: spans are < 2·ATT_CHUNK (span_chunks) */
+#define KV_KEYS_AHEAD 128       /* keys prefetched ahead of the integer key pass */
+#define KV_VALUES_AHEAD 64      /* values prefetched ahead of the values' pass */
 static uint8_t kv_bf16_q8[4][64] __attribute__((aligned(64)));  /* low bytes of bf16(0..127), high bytes */
 static uint8_t kv_bf16_q4[2][64] __attribute__((aligned(64)));  /* low, high byte of bf16((i mod 16) − 8) */
 /* byte orders of two-source byte permutes (index bit 6: the second source): value_pair_bytes' for
@@ -869,14 +873,180 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *p,
     *d1 = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h[1]));
 }
 
+#ifdef __AVX512VNNI__
+/* The key scores in integers (llama.cpp's way with quantized keys: the query quantized to the
+ * keys' dot-product type): each query head once per call to int8 per 32-value block, as Q8_0
+ * does (d = max|q|/127, q·(1/d) rounded to nearest), then a key's bytes meet it in vpdpbusd,
+ * four products a lane, with no conversion of the key at all. vpdpbusd's first factor is unsigned: a Q8_0 int8
+ * k xor 0x80 is k + 128 as a byte and Q4_0's nibble n is (n − 8) + 8, so each block's sum is
+ * off by 128·Σq or 8·Σq over the query's block, a constant of the head that starts its
+ * accumulators. The sums are exact; the scores carry the query's int8 rounding, the only
+ * difference from exact attention on the dequantized blocks that the keys add. The keys are
+ * transposed to one key a lane (key_words), so the products of 16 keys need no sum across
+ * lanes after: per head that sum would cost more than the transpose does once per tile. */
+typedef struct {
+    /* a head's int8 columns as 16 words of 4 (Q4_0: broadcast one at a time) and, for Q8_0's
+     * key pairs (key_sums_int8), as the vectors the pairs meet: per block b and word l, word
+     * 8b + l in 128-bit blocks 0 and 2, word 8b + 4 + l in blocks 1 and 3 */
+    int32_t q[4][16] __attribute__((aligned(64)));
+    int32_t pair[4][2][4][16] __attribute__((aligned(64)));
+    __m512i bias[4][2]; /* −(128 or 8)·Σq of each block, halved for Q8_0 (two lanes a key) */
+    __m512 d[4][2];     /* each block's d, times the softmax scale */
+} QueryInt8;
+
+static inline __attribute__((always_inline)) void query_int8(const int Q8, const int NH, const float *q, float scale,
+                                                             QueryInt8 *qi) {
+    for (int h = 0; h < NH; h++)
+        for (int b = 0; b < 2; b++) {
+            const __m512 x0 = _mm512_loadu_ps(q + h * 64 + 32 * b), x1 = _mm512_loadu_ps(q + h * 64 + 32 * b + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
+            const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_store_si128((__m128i *)(qi->q[h] + 8 * b), _mm512_cvtepi32_epi8(i0));
+            _mm_store_si128((__m128i *)(qi->q[h] + 8 * b + 4), _mm512_cvtepi32_epi8(i1));
+            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            qi->bias[h][b] = _mm512_set1_epi32(Q8 ? -64 * sum : -8 * sum);
+            qi->d[h][b] = _mm512_set1_ps(dq * scale);
+            if (Q8)
+                for (int l = 0; l < 4; l++)
+                    for (int k = 0; k < 16; k++) qi->pair[h][b][l][k] = qi->q[h][8 * b + l + (k & 4)];
+        }
+}
+
+/* 4 vectors of 16 words (4 bytes each) → lane k of out[l] = word l of input k's 128-bit block
+ * that holds lane k: a 4×4 transpose within each 128-bit block. */
+static inline __attribute__((always_inline)) void key_words(const __m512i z[4], __m512i out[4]) {
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 bytes each of 4 keys `step` bytes apart, in the vector's 128-bit blocks in turn. */
+static inline __attribute__((always_inline)) __m512i four_keys16(const uint8_t *p, int64_t step) {
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + step)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 2 * step)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 3 * step)), 3);
+}
+
+/* The integer block sums of 16 keys at kt (`tb` bytes a key) with NH query heads: lane k of
+ * acc[h][b] = Σ key k's block b · head h's block b (exact). */
+static inline __attribute__((always_inline)) void key_sums_int8(const int Q8, const int NH, const uint8_t *kt,
+                                                                int64_t tb, const QueryInt8 *qi, __m512i acc[4][2]) {
+    if (Q8) {
+        /* a block's 32 bytes as one load, two keys a vector ([key r | key r + 4], keys 0–3
+         * with 4–7, then 8–11 with 12–15): a 128-bit block gets half a key's block, and each
+         * key's sum ends in two lanes, which one shuffle pair per head adds at the end. Loading
+         * 16 bytes a block instead costs three inserts a vector, more than the halves' adds. */
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int b = 0; b < 2; b++) {
+            __m512i half[2][4];
+            for (int set = 0; set < 2; set++) {
+                __m512i z[4], w[4];
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *p = kt + (8 * set + r) * tb + 2 + 34 * b;
+                    z[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                                                               _mm256_loadu_si256((const __m256i *)(p + 4 * tb)), 1), flip);
+                }
+                key_words(z, w); /* lanes 0–3: keys 0–3 (of the set), first half; 4–7 second; 8–15: keys 4–7 */
+                for (int h = 0; h < NH; h++) {
+                    __m512i a = qi->bias[h][b];
+                    for (int l = 0; l < 4; l++) a = _mm512_dpbusd_epi32(a, w[l], _mm512_load_si512(qi->pair[h][b][l]));
+                    half[set][h] = a;
+                }
+            }
+            for (int h = 0; h < NH; h++)
+                acc[h][b] = _mm512_add_epi32(_mm512_shuffle_i32x4(half[0][h], half[1][h], 0x88),
+                                             _mm512_shuffle_i32x4(half[0][h], half[1][h], 0xdd));
+        }
+        return;
+    }
+    /* Q4_0: a block's 16 bytes hold columns 0–15 in their low nibbles, 16–31 in the high ones
+     * (a key's two blocks are not one load apart: a scale lies between); four keys a vector
+     * (keys r, r + 4, r + 8, r + 12), a 128-bit block one key's 16 columns */
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int h = 0; h < NH; h++) acc[h][0] = qi->bias[h][0], acc[h][1] = qi->bias[h][1];
+    for (int b = 0; b < 2; b++) {
+        __m512i x[4], z[4], w[4];
+        for (int r = 0; r < 4; r++) x[r] = four_keys16(kt + r * tb + 2 + 18 * b, 4 * tb);
+        for (int half = 0; half < 2; half++) {
+            for (int r = 0; r < 4; r++) z[r] = _mm512_and_si512(half ? _mm512_srli_epi16(x[r], 4) : x[r], low);
+            key_words(z, w);
+            for (int h = 0; h < NH; h++)
+                for (int l = 0; l < 4; l++)
+                    acc[h][b] = _mm512_dpbusd_epi32(acc[h][b], w[l], _mm512_set1_epi32(qi->q[h][8 * b + 4 * half + l]));
+        }
+    }
+}
+
+/* The weights of the 16 values from j (of n): e^(s − max) of each head's scores (s, `stride`
+ * apart; m: the maxima) times each block's value scale, in bf16: word i of w[h][b] pairs values
+ * j + 2i, j + 2i + 1 for the dot products (past n: 0). The exponentials add to sum. */
+static inline __attribute__((always_inline)) void value_weights(const int NH, const uint8_t *vc, int64_t tb,
+                                                                const float *s, int64_t stride, int64_t j, int64_t n,
+                                                                const __m512 m[4], __m512 sum[4],
+                                                                uint32_t w[4][2][8]) {
+    const __mmask16 live = lanes16(j, 0, n);
+    __m512 d0, d1;
+    block_scales(vc + j * tb, tb, tb / 2, n - j < 16 ? n - j : 16, &d0, &d1);
+    for (int h = 0; h < NH; h++) {
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + h * stride + j), m[h])));
+        sum[h] = _mm512_add_ps(sum[h], e);
+        _mm256_store_si256((__m256i *)w[h][0], (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, d0)));
+        _mm256_store_si256((__m256i *)w[h][1], (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, d1)));
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const Dims *d, const int Q8, const int NH,
                                                                            const float *q, const uint8_t *kc,
                                                                            const uint8_t *vc, int64_t n, float *s,
-                                                                           int64_t stride, float *out, float *ml) {
+                                                                           int64_t stride, float *out, float *ml,
+                                                                           const uint8_t *ahead, int64_t ahead_n) {
     const int64_t tb = Q8 ? 68 : 36, second = tb / 2; /* a token's bytes, its second block's */
     __m512i t[5];
     for (int i = 0; i < (Q8 ? 4 : 2); i++) t[i] = _mm512_load_si512(Q8 ? kv_bf16_q8[i] : kv_bf16_q4[i]);
     t[4] = _mm512_set1_epi8((char)0x80);
+    __m512 mv[4];
+    for (int h = 0; h < NH; h++) mv[h] = _mm512_set1_ps(-INFINITY);
+#ifdef __AVX512VNNI__
+    QueryInt8 qi;
+    query_int8(Q8, NH, q, d->scale, &qi);
+    for (int64_t j = 0; j < n; j += 16) {
+        const int64_t tt = n - j < 16 ? n - j : 16;
+        const __mmask16 live = lanes16(j, 0, n);
+        const uint8_t *kt = kc + j * tb;
+        uint8_t tail[16 * 68] __attribute__((aligned(64)));
+        if (tt < 16) { /* the last, partial tile: zero keys past n (their lanes are masked) */
+            memcpy(tail, kt, (size_t)(tt * tb));
+            memset(tail + tt * tb, 0, (size_t)((16 - tt) * tb));
+            kt = tail;
+        }
+        /* the keys KV_KEYS_AHEAD on into L2, and past n the first of the next call's (`ahead`,
+         * ahead_n of them): at this pass's pace the hardware prefetcher alone leaves its loads
+         * waiting on memory, most of all at a call's start */
+        const int64_t at = j + KV_KEYS_AHEAD;
+        const uint8_t *pf = at < n ? kc + at * tb : ahead && at - n < ahead_n ? ahead + (at - n) * tb : NULL;
+        if (pf)
+            for (int64_t b = 0; b < 16 * tb; b += 64) _mm_prefetch((const char *)pf + b, _MM_HINT_T1);
+        __m512i acc[4][2];
+        key_sums_int8(Q8, NH, kt, tb, &qi, acc);
+        __m512 d0, d1;
+        block_scales(kc + j * tb, tb, second, tt, &d0, &d1);
+        for (int h = 0; h < NH; h++) {
+            const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][0]), qi.d[h][0]);
+            const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][1]), qi.d[h][1]);
+            const __m512 sv = _mm512_fmadd_ps(a, d0, _mm512_mul_ps(b, d1));
+            _mm512_mask_storeu_ps(s + h * stride + j, live, sv);
+            mv[h] = _mm512_mask_max_ps(mv[h], live, mv[h], sv);
+        }
+    }
+#else
+    (void)ahead, (void)ahead_n;
     /* the query in bf16 (exact: a bf16 model's q holds bf16 values), column c where bytes_bf16
      * leaves a key's: *lo's word 8k + m is column 16k + m, *hi's column 16k + 8 + m */
     __m512i qw[4][2];
@@ -887,8 +1057,6 @@ static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const
     }
     const __m512 scale = _mm512_set1_ps(d->scale);
     const __m512i key_perm = _mm512_load_si512(kv_perm[PERM_KEYS_Q4]);
-    __m512 mv[4];
-    for (int h = 0; h < NH; h++) mv[h] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
         const int64_t tt = n - j < 16 ? n - j : 16;
         const __mmask16 live = lanes16(j, 0, n);
@@ -919,11 +1087,43 @@ static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const
             mv[h] = _mm512_mask_max_ps(mv[h], live, mv[h], sv);
         }
     }
+#endif
+    __m512 m[4], sum[4];
+    for (int h = 0; h < NH; h++) m[h] = _mm512_set1_ps(ml[2 * h] = _mm512_reduce_max_ps(mv[h])), sum[h] = _mm512_setzero_ps();
+    const __m512i pairs = _mm512_load_si512(kv_perm[Q8 ? PERM_VALUES_Q8 : PERM_VALUES_Q4]);
+    __m512 o[4][4];
+    for (int h = 0; h < NH; h++) for (int v = 0; v < 4; v++) o[h][v] = _mm512_setzero_ps();
+#ifdef __AVX512VNNI__
+    /* The values, 16 at a time, each tile's weights made while the tile before meets its values:
+     * the weights' exponentials, and the loads of their value scales that first touch a tile's
+     * lines, then overlap the dot products instead of holding them up. One pass over the values
+     * reads them from memory at the pace of the dot products (a pass for the weights alone,
+     * little work per line, would wait on memory), and prefetches them KV_VALUES_AHEAD on. */
+    uint32_t w[2][4][2][8] __attribute__((aligned(64)));
+    value_weights(NH, vc, tb, s, stride, 0, n, m, sum, w[0]);
+    for (int64_t j = 0; j < n; j += 16) {
+        const int cur = (int)(j / 16) & 1;
+        if (j + KV_VALUES_AHEAD < n)
+            for (int64_t b = 0; b < 16 * tb; b += 64) _mm_prefetch((const char *)vc + (j + KV_VALUES_AHEAD) * tb + b, _MM_HINT_T1);
+        if (j + 16 < n) value_weights(NH, vc, tb, s, stride, j + 16, n, m, sum, w[cur ^ 1]);
+        for (int64_t i = j; i < n && i < j + 16; i += 2) {
+            /* an odd last value's partner: its own bytes again (finite), against a weight of 0 */
+            const uint8_t *r0 = vc + i * tb, *r1 = i + 1 < n ? r0 + tb : r0;
+            for (int b = 0; b < 2; b++) {
+                __m512i v0, v1;
+                bytes_bf16(Q8, value_pair_bytes(Q8, r0, r1, b * second, pairs), t, &v0, &v1);
+                for (int h = 0; h < NH; h++) {
+                    const __m512bh p = (__m512bh)_mm512_set1_epi32((int)w[cur][h][b][(i - j) / 2]);
+                    o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], (__m512bh)v0, p);
+                    o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], (__m512bh)v1, p);
+                }
+            }
+        }
+    }
+#else
     /* e^(s − max) times each block's value scale, in bf16, per head and block: word j of w[h][b]
      * (pairs j, j + 1 one 32-bit word for the dot products; past n: 0) */
     uint32_t w[4][2][KV_BF16_SPAN / 2] __attribute__((aligned(64)));
-    __m512 m[4], sum[4];
-    for (int h = 0; h < NH; h++) m[h] = _mm512_set1_ps(ml[2 * h] = _mm512_reduce_max_ps(mv[h])), sum[h] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = lanes16(j, 0, n);
         __m512 d0, d1;
@@ -935,9 +1135,6 @@ static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const
             _mm256_store_si256((__m256i *)(w[h][1] + j / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, d1)));
         }
     }
-    const __m512i pairs = _mm512_load_si512(kv_perm[Q8 ? PERM_VALUES_Q8 : PERM_VALUES_Q4]);
-    __m512 o[4][4];
-    for (int h = 0; h < NH; h++) for (int v = 0; v < 4; v++) o[h][v] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 2) {
         /* an odd last value's partner: its own bytes again (finite), against a weight of 0 */
         const uint8_t *r0 = vc + j * tb, *r1 = j + 1 < n ? r0 + tb : r0;
@@ -951,6 +1148,7 @@ static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const
             }
         }
     }
+#endif
     for (int h = 0; h < NH; h++) {
         const float total = _mm512_reduce_add_ps(sum[h]);
         const __m512 inv = _mm512_set1_ps(1.0f / total);
@@ -969,6 +1167,7 @@ static inline __attribute__((always_inline)) void attend_heads_blocks_bf16(const
 static inline __attribute__((always_inline)) void attend_group_blocks16(const Dims *d, const int NV, const float *q,
                                                                         int64_t group, const uint8_t *kc,
                                                                         const uint8_t *vc, int64_t tok, int64_t n,
+                                                                        const uint8_t *ahead, int64_t ahead_n,
                                                                         float *s, int64_t stride, float *out,
                                                                         float *ml) {
     const int64_t D = 16 * NV, tb = kv_token_bytes(d);
@@ -981,11 +1180,13 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         /* block type and head count as compile-time constants of the kernel */
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
         if (d->bf16 && NV == 4 && n <= KV_BF16_SPAN) {
-#define HEADS_BF16(Q8)                                                                                    \
-            if (nh == 4) attend_heads_blocks_bf16(d, Q8, 4, qh, kc, vc, n, sh, stride, oh, mh);            \
-            else if (nh == 3) attend_heads_blocks_bf16(d, Q8, 3, qh, kc, vc, n, sh, stride, oh, mh);       \
-            else if (nh == 2) attend_heads_blocks_bf16(d, Q8, 2, qh, kc, vc, n, sh, stride, oh, mh);       \
-            else attend_heads_blocks_bf16(d, Q8, 1, qh, kc, vc, n, sh, stride, oh, mh);
+            /* the next call's keys: prefetched by the last run of heads, the one that precedes it */
+            const uint8_t *ah = h + nh == group ? ahead : NULL;
+#define HEADS_BF16(Q8)                                                                                            \
+            if (nh == 4) attend_heads_blocks_bf16(d, Q8, 4, qh, kc, vc, n, sh, stride, oh, mh, ah, ahead_n);       \
+            else if (nh == 3) attend_heads_blocks_bf16(d, Q8, 3, qh, kc, vc, n, sh, stride, oh, mh, ah, ahead_n);  \
+            else if (nh == 2) attend_heads_blocks_bf16(d, Q8, 2, qh, kc, vc, n, sh, stride, oh, mh, ah, ahead_n);  \
+            else attend_heads_blocks_bf16(d, Q8, 1, qh, kc, vc, n, sh, stride, oh, mh, ah, ahead_n);
             if (d->kv_type == KV_Q8_0) { HEADS_BF16(1) }
             else { HEADS_BF16(0) }
 #undef HEADS_BF16
@@ -1001,6 +1202,7 @@ static inline __attribute__((always_inline)) void attend_group_blocks16(const Di
         else { HEADS_BLOCKS16(0) }
 #undef HEADS_BLOCKS16
     }
+    (void)ahead, (void)ahead_n;
 }
 #endif
 
@@ -1030,8 +1232,9 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
     (void)ahead_k, (void)ahead_v, (void)ahead_n;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (d->kv_type != KV_FLOAT && d->attn_cap <= 0.0f && (D == 64 || D == 128)) {  /* blocks on 16 lanes */
-        if (D == 64) attend_group_blocks16(d, 4, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out, m);
-        else attend_group_blocks16(d, 8, q, group, (const uint8_t *)kc, (const uint8_t *)vc, base / D, n, s, stride, out, m);
+        const uint8_t *k8 = (const uint8_t *)kc, *v8 = (const uint8_t *)vc, *a8 = (const uint8_t *)ahead_k;
+        if (D == 64) attend_group_blocks16(d, 4, q, group, k8, v8, base / D, n, a8, ahead_n, s, stride, out, m);
+        else attend_group_blocks16(d, 8, q, group, k8, v8, base / D, n, a8, ahead_n, s, stride, out, m);
         goto done;
     }
 #endif
@@ -1062,6 +1265,18 @@ int kv_attend(int64_t kv_type, int64_t bf16, int64_t group, int64_t head_dim, in
     attend_group(&d, q, group, kc, vc, 0, n, NULL, NULL, 0, s, n, out, ml, 0);
     free(s), free(ml);
     return 0;
+}
+
+/* 1 where kv_attend (and the decode step) scores a bfloat16 model's keys on Q8_0/Q4_0 blocks at
+ * head_dim 64 against the query rounded to int8 per 32-value block (attend_heads_blocks_bf16's
+ * integer key pass), 0 where the query meets them as it is (tests/test_kv_bf16.py). */
+int kv_attend_int8_query(void) {
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Attention over a span of 2·ATT_CHUNK keys or more runs as chunks of ATT_CHUNK keys (the
@@ -1473,6 +1688,10 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
                     /* Past a few hundred keys the stream is long enough for the hardware prefetcher,
                      * and prefetching a whole next unit would only crowd this one out of L2. */
                     if (next_n * D * el > AHEAD_MAX_BYTES) ahead_k = ahead_v = NULL, next_n = 0;
+                } else if (i + 1 < n_units) { /* blocks: where the next unit's keys start (its first few are prefetched) */
+                    const AttUnit *next = &work[i + 1];
+                    next_n = next->n;
+                    ahead_k = kl + next->cache_row * row_bytes + next->base / D * tok_bytes;
                 }
                 const int chunked = chunks[w->unit] > 1;
                 float *out = chunked ? parts + (w->unit * max_chunks + w->chunk) * each : att + r * q_size + g * each;
