@@ -30,7 +30,7 @@ from . import options as o
 from .app import app
 from .batch_input import FORMATS, KNOWN_KEYS, LineError, Record, parse_input, read_input
 from .batch_output import (NullWriter, OutputState, Writer, check_output, hold_output, precheck_output, read_ours,
-                           scan_output, check_model, check_resumed, check_settings)
+                           scan_output, check_model, check_resumed, check_settings, model_key)
 from .console import COLOR, err_console
 from .distributed import all_ok, find_parts, finish, merge_parts, my_share, part_path, start
 from .errors import Terminated
@@ -628,7 +628,7 @@ def _batch_on_this_rank(launch, shard, data_parallel, input, output, resume, str
     loaded = _load(load, model, revision, device if launch.world == 1 else launch.device, dtype, shard, weights)
     for earlier, shown in resumed:
         check_model(earlier, loaded.name, shown)
-    plan.model = loaded.name
+    plan.model = model_key(loaded.name) or loaded.name  # a folder as the folder it is, from anywhere
     if draft is not None or lookup:
         o.check_draft(loaded, drafted)
         drafted = None

@@ -108,9 +108,9 @@ def check_model(state: OutputState, model: str, output: str) -> None:
     """Refuse to continue an output whose results another model wrote: the file would mix
     two models' answers with nothing but a field per line to tell them apart. A name that
     is a path is compared as the folder or file it names (./m and m are one model)."""
-    mine = _model_key(model)
+    mine = model_key(model)
     for other, line in state.models.items():
-        theirs = _model_key(other)
+        theirs = model_key(other)
         if theirs is not None and mine is not None and theirs != mine:
             raise PromptError(f"{output}:{line}: its results are from the model {show(other)}, this run "
                               f"loads {show(model)}; --resume continues the run of the same model "
@@ -138,7 +138,7 @@ def check_settings(state: OutputState, expected: dict[str, dict], output: str) -
                                   "settings (give the same options, or choose another --output file)")
 
 
-def _model_key(name: str) -> str | None:
+def model_key(name: str) -> str | None:
     """What a model name stands for: a path's real location, else the name (a Hub id, a
     packaged name); None for a path that is not there from here (it cannot be compared)."""
     from twice.core.paths import user_path

@@ -351,7 +351,7 @@ def test_resume_refuses_an_output_written_for_another_input(tmp_path, capsys, ll
     assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
 
 
-def test_resume_refuses_an_output_another_model_wrote(tmp_path, capsys, llama, model_dirs):
+def test_resume_refuses_an_output_another_model_wrote(tmp_path, capsys, llama, model_dirs, monkeypatch):
     # Result lines name their model; continuing with another would mix two models' answers.
     src, dst = tmp_path / "a.txt", tmp_path / "out.jsonl"
     src.write_text("Hello\nworld\n")
@@ -371,6 +371,17 @@ def test_resume_refuses_an_output_another_model_wrote(tmp_path, capsys, llama, m
     r = batch([str(src), "--raw", "-n", "2", "-o", str(dst), "--resume"], capsys, relative)
     assert r.code == 0, r.err
     assert [o["id"] for o in read_lines(dst)] == ["1", "2", "3"]
+    # A folder named relative to where the first run was is recorded as the folder itself, so a
+    # run from elsewhere continues it (the line said "llama", which from there named nothing).
+    monkeypatch.chdir(os.path.dirname(llama))
+    dst2 = tmp_path / "out2.jsonl"
+    assert batch([str(src), "--raw", "-n", "2", "-o", str(dst2)], capsys, os.path.basename(llama)).code == 0
+    assert {o["model"] for o in read_lines(dst2)} == {os.path.realpath(llama)}
+    dst2.write_bytes(b"".join(dst2.read_bytes().splitlines(keepends=True)[:1]))
+    monkeypatch.chdir(tmp_path)
+    r = batch([str(src), "--raw", "-n", "2", "-o", str(dst2), "--resume"], capsys, llama)
+    assert r.code == 0, r.err
+    assert [o["id"] for o in read_lines(dst2)] == ["1", "2", "3"]
 
 
 def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, llama):
