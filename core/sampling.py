@@ -62,20 +62,21 @@ def logit_bias(value, vocab_size: int) -> dict[int, float]:
     naming the entry otherwise. {} for none."""
     if value is None:
         return {}
+    from .fields import show
+
     if not isinstance(value, dict):
-        raise PromptError(f"logit_bias must be an object of token ids to numbers, got {type(value).__name__}")
+        raise PromptError(f"logit_bias must be an object of token ids to numbers, got {show(value)}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        shown = repr(key)[:40]
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
-            raise PromptError(f"logit_bias: the key {shown} is not a token id (a whole number such as \"123\")")
+            raise PromptError(f"logit_bias: the key {show(key)} is not a token id (a whole number such as \"123\")")
         token = int(key) if len(key) < 12 else vocab_size
         if token >= vocab_size:
-            raise PromptError(f"logit_bias: token id {key[:20]} is outside the vocabulary (0..{vocab_size - 1})")
+            raise PromptError(f"logit_bias: token id {show(key)} is outside the vocabulary (0..{vocab_size - 1})")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
                 or abs(bias) > LOGIT_BIAS_MOST:
             raise PromptError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got "
-                              f"{repr(bias)[:40]}")
+                              f"{show(bias)}")
         if bias:
             out[token] = float(bias)
     return out
