@@ -627,7 +627,7 @@ def create_app(state: State):
                                        "internal_error"))
 
     async def read_body(request: HttpRequest):
-        from twice.core.fields import describe_json_error, loads
+        from twice.core.fields import describe_json_error, loads, unique_keys
 
         from starlette.requests import ClientDisconnect
 
@@ -647,7 +647,7 @@ def create_app(state: State):
         except UnicodeDecodeError:
             raise ApiError(400, "the request body is not UTF-8", code="invalid_json") from None
         try:
-            return loads(text)
+            return loads(text, object_pairs_hook=unique_keys)  # {"max_tokens": 2, "max_tokens": 3}: which?
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {describe_json_error(e)}",
                            code="invalid_json") from None

@@ -309,6 +309,11 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     _error(_post(server, "/v1/completions", raw=b"\xff\xfe"), 400, "invalid_json")
     _error(_post(server, "/v1/completions", raw=b"[1, 2]"), 400, "invalid_body")
     _error(_post(server, "/v1/completions", raw=b"[" * 100 + b"]" * 100), 400, "invalid_json", ["nested"])
+    # a key given twice is refused, as in batch lines and chat files (json would keep the last)
+    _error(_post(server, "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "max_tokens": 3}'), 400,
+           "invalid_json", ['the key "max_tokens" appears twice'])
+    _error(_post(server, "/v1/completions", raw=b'{"prompt": "hi", "logit_bias": {"1": 5, "1": 1000}}'), 400,
+           "invalid_json", ['the key "1" appears twice'])
     _error(_post(server, "/v1/completions", {**ok, "temprature": 0.5}), 400, "unknown_field", ["temprature"])
     _error(_post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, "invalid_value", ["temperature"])
     _error(_post(server, "/v1/completions", {**ok, "max_tokens": 0}), 400, "invalid_value", ["max_tokens"])
