@@ -159,6 +159,8 @@ def _our_line(raw: bytes) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("finish_reason"), str):
         return None
+    if not isinstance(obj.get("settings", {}), dict) or not isinstance(obj.get("model", ""), str):
+        return None  # ours record them as an object and a name (or not at all, before twice did)
     value = obj.get("id")
     return obj if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 

@@ -434,6 +434,14 @@ def test_resume_refuses_an_output_drawn_with_other_settings(tmp_path, capsys, ll
     dst.write_text(json.dumps(older) + "\n")
     assert batch([*same, "--dtype", "bfloat16"], capsys, llama).code == 0
     assert read_lines(dst)[1]["settings"]["dtype"] == "bfloat16"
+    # settings or a model of another kind than ours write: not a line of ours (it was passed over)
+    good = read_lines(dst)[0]
+    for field, value in (("settings", "x"), ("settings", None), ("model", 7)):
+        dst.write_text(json.dumps({**good, field: value}) + "\n")
+        r = batch([*same, "--dtype", "bfloat16"], capsys, llama)
+        assert r.code == 2 and f"{dst}:1: not a line of ours" in r.err, r.err
+    dst.write_text(json.dumps(good) + "\n")
+    assert batch([*same, "--dtype", "bfloat16"], capsys, llama).code == 0
     # an output whose lines record no settings (an older twice's) is continued as before
     dst.write_bytes(b'{"id": "1", "completion": "x", "finish_reason": "length"}\n')
     assert batch([*same, "-n", "5"], capsys, llama).code == 0
