@@ -631,6 +631,10 @@ def create_app(state: State):
 
         from starlette.requests import ClientDisconnect
 
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # read as JSON it would be "not UTF-8", or worse, taken as it is
+            raise ApiError(415, f"content-encoding {json.dumps(encoding)[:60]} is not supported: send the body "
+                                "uncompressed", code="unsupported_encoding")
         chunks, size = [], 0
         try:
             async for chunk in request.stream():

@@ -309,6 +309,14 @@ def test_bad_requests_get_the_documented_status_and_shape(server, model, engine)
     _error(_post(server, "/v1/completions", raw=b"\xff\xfe"), 400, "invalid_json")
     _error(_post(server, "/v1/completions", raw=b"[1, 2]"), 400, "invalid_body")
     _error(_post(server, "/v1/completions", raw=b"[" * 100 + b"]" * 100), 400, "invalid_json", ["nested"])
+    # a compressed body is named as such, not "not UTF-8" (nor read as it is when it happens to be text)
+    import gzip
+
+    for body in (gzip.compress(json.dumps(ok).encode()), json.dumps(ok).encode()):
+        _error(_post(server, "/v1/completions", raw=body, **{"content-encoding": "gzip"}), 415,
+               "unsupported_encoding", ['content-encoding "gzip" is not supported'])
+    assert _post(server, "/v1/completions", raw=json.dumps(ok).encode(),
+                 **{"content-encoding": "identity"}).status_code == 200
     # a key given twice is refused, as in batch lines and chat files (json would keep the last)
     _error(_post(server, "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "max_tokens": 3}'), 400,
            "invalid_json", ['the key "max_tokens" appears twice'])
