@@ -523,6 +523,98 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
     }
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BITALG__) && defined(__AVX512VL__)
+#define X8_ZMM 1
+/* The 8-row tile in 512-bit vectors: two runs of the group per vector, lane 2i row i's run c
+ * and lane 2i+1 its run c+1 (the weights permuted once per block for all 8 activation rows),
+ * so one 8-byte broadcast and one dpbusd serve 16 lanes: half tile_x8's broadcasts and
+ * dpbusds. Row i's two lanes are summed (exact, integer) two activation rows at a time, into
+ * one vector: each 128-bit lane holds weight rows 2j, 2j+1 of the first activation row, then
+ * of the second, and the conversion, scale and multiply-add run once for both rows (the scales
+ * d_w and d_x permuted to match). Every weight row meets the same integer sum and the same
+ * float operations in the same order as in tile_x8 and the reference: the same bits.
+ * (Two groups per vector instead read two weight streams and ran no faster.) */
+static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const int NR, const uint8_t *w,
+                                                              const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                              int64_t ldy) {
+    X8_LAYOUT(T);
+    const int64_t nb = n / QK;
+    const __m512i runs = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i pairs = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
+    __m512 acc[4]; /* rows 2p, 2p+1 */
+    for (int p = 0; p < NR / 2; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * B;
+        for (int l = 0; l < B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        __m512i W[4]; /* the weights meeting activation bytes 8k..8k+7 of the block */
+        if (T == QT_Q8_0) {
+            for (int k = 0; k < 4; k++)
+                W[k] = _mm512_permutexvar_epi32(
+                    runs, _mm512_xor_si512(_mm512_loadu_si512(blk + q_at + 64 * k), _mm512_set1_epi8((char)0x80)));
+        } else {
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + qh_at)))
+                                    : _mm512_setzero_si512();
+            for (int k = 0; k < 2; k++) { /* runs 2k, 2k+1: values 8k.. (low nibbles), 16 + 8k.. (high) */
+                const __m512i raw = _mm512_loadu_si512(blk + q_at + 64 * k);
+                __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                if (five) {
+                    const __m512i bit4 = _mm512_set1_epi8(0x10);
+                    const __m512i sl = _mm512_inserti64x4(_mm512_set1_epi64(x8_bit_selector(8 * k)),
+                                                          _mm256_set1_epi64x(x8_bit_selector(8 * k + 4)), 1);
+                    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi64(x8_bit_selector(16 + 8 * k)),
+                                                          _mm256_set1_epi64x(x8_bit_selector(16 + 8 * k + 4)), 1);
+                    lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(qh, sl), lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(qh, sh), hi, bit4);
+                }
+                W[k] = _mm512_permutexvar_epi32(runs, lo);
+                W[2 + k] = _mm512_permutexvar_epi32(runs, hi);
+            }
+        }
+        __m512i s[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const int32_t *off = LEGACY_OFF(x + r * xs, n) + 2 * b;
+            const uint8_t *xb = x + r * xs + b * QK;
+            /* the offset once per weight row: in its even lane */
+            if (has_off) s[r] = _mm512_maskz_set1_epi32(0x5555, off[T == QT_Q5_0]);
+            else if (T == QT_Q8_0) s[r] = _mm512_maskz_set1_epi32(0x5555, off[1] * 8);
+            else s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                long long v;
+                memcpy(&v, xb + 8 * k, 8);
+                s[r] = _mm512_dpbusd_epi32(s[r], W[k], _mm512_set1_epi64(v));
+            }
+        }
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512 mw = has_min ? _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(
+                                                                 _mm_loadu_si128((const __m128i *)(blk + 16)))))
+                                  : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int p = 0; p < NR / 2; p++) {
+            const __m512 a = _mm512_castsi512_ps(s[2 * p]), c = _mm512_castsi512_ps(s[2 * p + 1]);
+            const __m512i isum = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                  _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+            const float *dx0 = LEGACY_DX(x + 2 * p * xs, n) + 2 * b, *dx1 = LEGACY_DX(x + (2 * p + 1) * xs, n) + 2 * b;
+            __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx0[0])); /* (a broadcast d_x for both rows: slower) */
+            sc = _mm512_mask_mul_ps(sc, 0xCCCC, dw, _mm512_set1_ps(dx1[0]));
+            acc[p] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(isum), acc[p]);
+            if (has_min) {
+                acc[p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx0[1]), acc[p], 0x3333);
+                acc[p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx1[1]), acc[p], 0xCCCC);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int p = 0; p < NR / 2; p++) {
+        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(first, acc[p])));
+        _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(second, acc[p])));
+    }
+}
+#endif
 #else
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
                                                           const uint8_t *x, int64_t xs, int64_t n, float *y,
@@ -600,9 +692,14 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
 }
 #endif
 
+#ifdef X8_ZMM
+#define X8_EIGHT(T) tile_x8_zmm(T, 8, w, x, xs, n, y, ldy)
+#elif defined(X8_VNNI)
+#define X8_EIGHT(T) tile_x8(T, 8, w, x, xs, n, y, ldy)
+#endif
 #ifdef X8_VNNI /* tiles of up to 8 activation rows (the weights' unpacking shared by all 8) */
 #define X8_WIDE_CASES(T)                                                                              \
-        case 8: tile_x8(T, 8, w, x, xs, n, y, ldy); return;                                          \
+        case 8: X8_EIGHT(T); return;                                                                 \
         case 7: tile_x8(T, 7, w, x, xs, n, y, ldy); return;                                          \
         case 6: tile_x8(T, 6, w, x, xs, n, y, ldy); return;                                          \
         case 5: tile_x8(T, 5, w, x, xs, n, y, ldy); return;
