@@ -553,23 +553,24 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
                 W[k] = _mm512_permutexvar_epi32(
                     runs, _mm512_xor_si512(_mm512_loadu_si512(blk + q_at + 64 * k), _mm512_set1_epi8((char)0x80)));
         } else {
+            /* runs 2k, 2k+1 permuted before the unpacking: a 64-bit lane is then row i's 8 bytes,
+             * and its 5th bits are bits 8k.. (low nibbles) or 16 + 8k.. (high) of the row's qh,
+             * widened into the lane */
             const __m512i low = _mm512_set1_epi8(0x0f);
-            const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + qh_at)))
+            const __m512i qh = five ? _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(blk + qh_at)))
                                     : _mm512_setzero_si512();
-            for (int k = 0; k < 2; k++) { /* runs 2k, 2k+1: values 8k.. (low nibbles), 16 + 8k.. (high) */
-                const __m512i raw = _mm512_loadu_si512(blk + q_at + 64 * k);
+            for (int k = 0; k < 2; k++) { /* values 8k.. (low nibbles) and 16 + 8k.. (high) */
+                const __m512i raw = _mm512_permutexvar_epi32(runs, _mm512_loadu_si512(blk + q_at + 64 * k));
                 __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                 if (five) {
                     const __m512i bit4 = _mm512_set1_epi8(0x10);
-                    const __m512i sl = _mm512_inserti64x4(_mm512_set1_epi64(x8_bit_selector(8 * k)),
-                                                          _mm256_set1_epi64x(x8_bit_selector(8 * k + 4)), 1);
-                    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi64(x8_bit_selector(16 + 8 * k)),
-                                                          _mm256_set1_epi64x(x8_bit_selector(16 + 8 * k + 4)), 1);
-                    lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(qh, sl), lo, bit4);
-                    hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(qh, sh), hi, bit4);
+                    const long long first = 0x0706050403020100LL + 0x0808080808080808LL * k;
+                    lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(qh, _mm512_set1_epi64(first)), lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(qh, _mm512_set1_epi64(first + 0x1010101010101010LL)),
+                                              hi, bit4);
                 }
-                W[k] = _mm512_permutexvar_epi32(runs, lo);
-                W[2 + k] = _mm512_permutexvar_epi32(runs, hi);
+                W[k] = lo;
+                W[2 + k] = hi;
             }
         }
         __m512i s[8];
