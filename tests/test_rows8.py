@@ -97,7 +97,7 @@ def test_x8_tile_is_the_scalar_reference_bit_for_bit(name):
     x[1, 32:64] = 1.0
     x[2, 64:96] = -torch.arange(32.0)
     cx, il = x8.interleaved(c), x8.interleave(data, name)
-    for rows in (1, 2, 3, 4, 7, 8, 11):  # tiles of up to 8 rows where the build has them
+    for rows in (1, 2, 3, 4, 7, 8, 11, 16, 19):  # tiles of up to 8 (16) rows where the build has them
         got = kernels.quant_matmul(x[:rows], il, cx.ggml_type)
         assert torch.equal(got, kernels.quant_matmul(x[:rows], il, cx.ggml_type, reference=True)), rows
     flags = cpu_flags()

@@ -542,7 +542,7 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
     const int64_t nb = n / QK;
     const __m512i runs = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     const __m512i pairs = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
-    __m512 acc[4]; /* rows 2p, 2p+1 */
+    __m512 acc[8]; /* rows 2p, 2p+1 */
     for (int p = 0; p < NR / 2; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * B;
@@ -573,38 +573,42 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
                 W[2 + k] = hi;
             }
         }
-        __m512i s[8];
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; r++) {
-            const int32_t *off = LEGACY_OFF(x + r * xs, n) + 2 * b;
-            const uint8_t *xb = x + r * xs + b * QK;
-            /* the offset once per weight row: in its even lane */
-            if (has_off) s[r] = _mm512_maskz_set1_epi32(0x5555, off[T == QT_Q5_0]);
-            else if (T == QT_Q8_0) s[r] = _mm512_maskz_set1_epi32(0x5555, off[1] * 8);
-            else s[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                long long v;
-                memcpy(&v, xb + 8 * k, 8);
-                s[r] = _mm512_dpbusd_epi32(s[r], W[k], _mm512_set1_epi64(v));
-            }
-        }
         const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
         const __m512 mw = has_min ? _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(
                                                                  _mm_loadu_si128((const __m128i *)(blk + 16)))))
                                   : _mm512_setzero_ps();
+#pragma GCC unroll 2
+        for (int h = 0; h < (NR + 7) / 8; h++) { /* 8 rows at a time: their sums in the registers */
+            const int H = NR - 8 * h < 8 ? NR - 8 * h : 8;
+            __m512i s[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < H; r++) {
+                const int32_t *off = LEGACY_OFF(x + (8 * h + r) * xs, n) + 2 * b;
+                const uint8_t *xb = x + (8 * h + r) * xs + b * QK;
+                /* the offset once per weight row: in its even lane */
+                if (has_off) s[r] = _mm512_maskz_set1_epi32(0x5555, off[T == QT_Q5_0]);
+                else if (T == QT_Q8_0) s[r] = _mm512_maskz_set1_epi32(0x5555, off[1] * 8);
+                else s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int p = 0; p < NR / 2; p++) {
-            const __m512 a = _mm512_castsi512_ps(s[2 * p]), c = _mm512_castsi512_ps(s[2 * p + 1]);
-            const __m512i isum = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
-                                                  _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
-            const float *dx0 = LEGACY_DX(x + 2 * p * xs, n) + 2 * b, *dx1 = LEGACY_DX(x + (2 * p + 1) * xs, n) + 2 * b;
-            __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx0[0])); /* (a broadcast d_x for both rows: slower) */
-            sc = _mm512_mask_mul_ps(sc, 0xCCCC, dw, _mm512_set1_ps(dx1[0]));
-            acc[p] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(isum), acc[p]);
-            if (has_min) {
-                acc[p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx0[1]), acc[p], 0x3333);
-                acc[p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx1[1]), acc[p], 0xCCCC);
+                for (int k = 0; k < 4; k++) {
+                    long long v;
+                    memcpy(&v, xb + 8 * k, 8);
+                    s[r] = _mm512_dpbusd_epi32(s[r], W[k], _mm512_set1_epi64(v));
+                }
+            }
+#pragma GCC unroll 4
+            for (int p = 0; p < H / 2; p++) {
+                const __m512 a = _mm512_castsi512_ps(s[2 * p]), c = _mm512_castsi512_ps(s[2 * p + 1]);
+                const __m512i isum = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                      _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                const float *dx0 = LEGACY_DX(x + (8 * h + 2 * p) * xs, n) + 2 * b, *dx1 = LEGACY_DX(x + (8 * h + 2 * p + 1) * xs, n) + 2 * b;
+                __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx0[0])); /* (a broadcast d_x for both rows: slower) */
+                sc = _mm512_mask_mul_ps(sc, 0xCCCC, dw, _mm512_set1_ps(dx1[0]));
+                acc[4 * h + p] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(isum), acc[4 * h + p]);
+                if (has_min) {
+                    acc[4 * h + p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx0[1]), acc[4 * h + p], 0x3333);
+                    acc[4 * h + p] = _mm512_mask3_fmadd_ps(mw, _mm512_set1_ps(dx1[1]), acc[4 * h + p], 0xCCCC);
+                }
             }
         }
     }
@@ -707,9 +711,20 @@ static inline __attribute__((always_inline)) void tile_x8(const int T, const int
 #else
 #define X8_WIDE_CASES(T)
 #endif
+#ifdef X8_ZMM /* 16 rows: the weights' unpacking shared by 16; 9-15: 8 and the rest */
+#define X8_SIXTEEN(T)                                                                                 \
+        if (nr > 8) {                                                                                \
+            if (nr == 16) { tile_x8_zmm(T, 16, w, x, xs, n, y, ldy); return; }                       \
+            X8_EIGHT(T);                                                                             \
+            nr -= 8, x += 8 * xs, y += 8 * ldy;                                                      \
+        }
+#else
+#define X8_SIXTEEN(T)
+#endif
 #define AVX2_X8_TILE(T, NAME)                                                                         \
     static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
                      int64_t ldy) {                                                                  \
+        X8_SIXTEEN(T)                                                                                \
         switch (nr) {                                                                                \
         X8_WIDE_CASES(T)                                                                             \
         case 4: tile_x8(T, 4, w, x, xs, n, y, ldy); return;                                          \
@@ -729,6 +744,9 @@ AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
  * without mins (their unpacking then serves 8 rows: Q5_0 1.12-1.25x, Q8_0 1.08-1.33x at 8-16
  * rows, Zen 4), else 4 (Q4_1/Q5_1's second accumulators would not fit beside 8 rows': 0.96-1.15x). */
 int twq_x8_tile_rows(int type) {
+#ifdef X8_ZMM
+    return 16;
+#endif
 #ifdef X8_VNNI
     return 8;
 #endif
