@@ -740,9 +740,8 @@ AVX2_X8_TILE(QT_Q5_1, avx2_x8_q5_1)
 AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
 #endif
 
-/* The most activation rows one x8 tile call of a 32-value type takes: 8 with VNNI for the types
- * without mins (their unpacking then serves 8 rows: Q5_0 1.12-1.25x, Q8_0 1.08-1.33x at 8-16
- * rows, Zen 4), else 4 (Q4_1/Q5_1's second accumulators would not fit beside 8 rows': 0.96-1.15x). */
+/* The most activation rows one x8 tile call of a 32-value type takes: 16 with 512-bit VNNI
+ * (tile_x8_zmm: a block's weights unpacked once for 16 rows), 8 with 256-bit VNNI, else 4. */
 int twq_x8_tile_rows(int type) {
 #ifdef X8_ZMM
     return 16;
