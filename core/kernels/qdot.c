@@ -241,7 +241,8 @@ static qtile_fn pair_tile_for(int type) {
 
 /* The most activation rows one SIMD tile call of this type takes (some x8 types' 8, else 4). */
 static int tile_rows_for(int type) {
-    return is_x8(type) && is_legacy(base_type(type)) ? twq_x8_tile_rows(base_type(type)) : 4;
+    if (!is_x8(type)) return 4;
+    return is_legacy(base_type(type)) ? twq_x8_tile_rows(base_type(type)) : twq_kx8_tile_rows(base_type(type));
 }
 
 /* pair: a tile of two groups (16 weight rows) or NULL; step: activation rows per tile call. */

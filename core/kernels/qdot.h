@@ -150,6 +150,7 @@ qtile_fn twq_kx8_tile(int type, int reference);
 /* Two consecutive x8 groups (16 weight rows: y[r·ldy + i] for i < 16), each row's result bit
  * for bit the one-group tile's; NULL where the build has none for the type. */
 qtile_fn twq_kx8_pair_tile(int type);
+int twq_kx8_tile_rows(int type); /* the most activation rows an x8 tile of this K type takes: 4 or 16 */
 int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 #endif

@@ -560,7 +560,125 @@ static inline __attribute__((always_inline)) void tile_kx8(const int G, const in
     for (int g = 0; g < G; g++) for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy + 8 * g, acc[g][r]);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KX8_ZMM 1
+/* Q4_K's x8 tile in 512-bit vectors (8 or 16 activation rows): two runs of the group per
+ * vector, lane 2i row i's run 2m and lane 2i+1 its run 2m+1 (permuted once per sub-block
+ * pair for all the rows), so one 8-byte activation broadcast and one dpbusd serve 16 lanes:
+ * half tile_kx8's broadcasts and dot products. A row's two lanes of its low-nibble sums and
+ * of its high-nibble sums are added into one vector (integers, exact), lanes 4j.. holding
+ * weight rows 2j, 2j+1 of the two sub-blocks, so one multiply by the scales serves both
+ * sub-blocks. Per super-block two activation rows share a vector for the float work: each
+ * 128-bit lane holds weight rows 2j, 2j+1 of the first activation row, then of the second
+ * (d_w, dmin_w permuted to match, the mins' integer sums computed in that layout). Every
+ * (weight row, activation row) pair meets the same integers and the same float operations in
+ * the same order as in tile_kx8 and the reference: the same bits. */
+static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, const uint8_t *w, const uint8_t *x,
+                                                               int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    const __m512i runs = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i pairs = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi8(0x0f);
+    __m512 acc[8]; /* activation rows 2p, 2p+1 */
+    for (int p = 0; p < NR / 2; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_B;
+        for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        uint8_t sm[64], mn[64]; /* scales of sub-blocks 0..7, then mins: byte 8k + i row i's of sub-block k */
+        {
+            const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
+            const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
+            const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
+            _mm256_storeu_si256((__m256i *)sm, _mm256_and_si256(A, m63));
+            _mm256_storeu_si256((__m256i *)(sm + 32), _mm256_or_si256(_mm256_and_si256(C, low8),
+                                                                      _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+            _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+            _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low8),
+                                                                      _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+        }
+        /* per sub-block pair k: int32 lanes 4j.. = the scales of sub-block 2k, rows 2j, 2j+1, then
+         * of sub-block 2k+1 (the layout of a row's summed lanes below) */
+        __m512i sc[4], mp[4];
+        for (int k = 0; k < 4; k++) {
+            const __m128i t = _mm_loadu_si128((const __m128i *)(sm + 16 * k));
+            sc[k] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi16(t, _mm_srli_si128(t, 8)));
+            /* mins: int32 lane i = mn_i[2k] | mn_i[2k+1] << 16, lanes 4j.. rows 2j, 2j+1 twice */
+            const __m128i u = _mm_loadu_si128((const __m128i *)(mn + 16 * k));
+            mp[k] = _mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(
+                                                        _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(u, _mm_srli_si128(u, 8)))));
+        }
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512 mw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+#pragma GCC unroll 2
+        for (int h = 0; h < NR / 8; h++) { /* 8 activation rows at a time: their sums in the registers */
+            __m512i isum[8];
+            for (int r = 0; r < 8; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) { /* sub-blocks 2k (low nibbles) and 2k + 1 (high) */
+                __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    const __m512i raw = _mm512_permutexvar_epi32(runs, _mm512_loadu_si512(blk + 128 + 32 * (8 * k + 2 * m)));
+                    lo[m] = _mm512_and_si512(raw, low);
+                    hi[m] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const uint8_t *xb = x + (8 * h + r) * xs + b * QKK + 64 * k;
+                    __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) {
+                        long long v, u;
+                        memcpy(&v, xb + 8 * m, 8);
+                        memcpy(&u, xb + 32 + 8 * m, 8);
+                        s = _mm512_dpbusd_epi32(s, lo[m], _mm512_set1_epi64(v));
+                        t = _mm512_dpbusd_epi32(t, hi[m], _mm512_set1_epi64(u));
+                    }
+                    const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(t);
+                    const __m512i st = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                        _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(st, sc[k]));
+                }
+            }
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; p++) {
+                const int r0 = 8 * h + 2 * p;
+                const __m512 a = _mm512_castsi512_ps(isum[2 * p]), c = _mm512_castsi512_ps(isum[2 * p + 1]);
+                const __m512i is = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(1, 0, 1, 0))),
+                                                    _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 2, 3, 2))));
+                const int16_t *bs0 = K_BSUMS(x + r0 * xs, n) + 16 * b, *bs1 = K_BSUMS(x + (r0 + 1) * xs, n) + 16 * b;
+                __m512i im = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const uint32_t w0 = (uint16_t)(bs0[4 * k] + bs0[4 * k + 1]) | (uint32_t)(uint16_t)(bs0[4 * k + 2] + bs0[4 * k + 3]) << 16;
+                    const uint32_t w1 = (uint16_t)(bs1[4 * k] + bs1[4 * k + 1]) | (uint32_t)(uint16_t)(bs1[4 * k + 2] + bs1[4 * k + 3]) << 16;
+                    const __m512i wv = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)w0), 0xCCCC, (int)w1);
+                    im = _mm512_add_epi32(im, _mm512_madd_epi16(mp[k], wv));
+                }
+                const float dx0 = K_D(x + r0 * xs, n)[b], dx1 = K_D(x + (r0 + 1) * xs, n)[b];
+                const __m512 dx = _mm512_mask_mov_ps(_mm512_set1_ps(dx0), 0xCCCC, _mm512_set1_ps(dx1));
+                acc[4 * h + p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(is), acc[4 * h + p]);
+                acc[4 * h + p] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, mw), _mm512_cvtepi32_ps(im), acc[4 * h + p]);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int p = 0; p < NR / 2; p++) {
+        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(first, acc[p])));
+        _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(second, acc[p])));
+    }
+}
+#endif
+
 static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+#ifdef KX8_ZMM /* 16 or 8 rows in 512-bit vectors, the rest in the 256-bit tile */
+    if (nr == 16) { tile_kx8_zmm(16, w, x, xs, n, y, ldy); return; }
+    if (nr >= 8) { tile_kx8_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
+    if (nr > 4) { tile_kx8(1, 4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
+    if (nr <= 0) return;
+#endif
     switch (nr) {
     case 4: tile_kx8(1, 4, w, x, xs, n, y, ldy); return;
     case 3: tile_kx8(1, 3, w, x, xs, n, y, ldy); return;
@@ -683,8 +801,20 @@ qtile_fn twq_kx8_tile(int type, int reference) {
  * (q_gemm then runs the one-group tile per group). */
 qtile_fn twq_kx8_pair_tile(int type) {
 #ifdef __AVX2__
+#ifndef KX8_ZMM /* (the 512-bit tile takes 8 and 16 rows one group at a time) */
     if (type == QT_Q4_K) return avx2_kx8x2_q4_k;
+#endif
 #endif
     (void)type;
     return 0;
+}
+
+/* The most activation rows one x8 tile call of a K type takes: 16 where Q4_K has its 512-bit
+ * tile (a super-block's weights unpacked once for 8 rows, its scales once for 16), else 4. */
+int twq_kx8_tile_rows(int type) {
+#ifdef KX8_ZMM
+    if (type == QT_Q4_K) return 16;
+#endif
+    (void)type;
+    return 4;
 }
