@@ -776,7 +776,113 @@ static inline __attribute__((always_inline)) void tile_kx8_q6(const int NR, cons
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+#ifdef KX8_ZMM
+/* Q6_K's x8 tile in 512-bit vectors (8 or 16 activation rows), as tile_kx8_zmm: two runs of
+ * the group per vector (ql and qh permuted alike, once per 8 rows), one 8-byte activation
+ * broadcast and one dpbusd for 16 lanes; a row's low- and high-nibble sums of one 16-value
+ * half added lane pair by lane pair into one vector (lanes 4j..: rows 2j, 2j+1 of the two
+ * sub-blocks), one multiply by both sub-blocks' scales; the −32 offset (32·Σ sc·bsum)
+ * subtracted once per super-block in the two-row layout of the float work. The integers and
+ * float steps of tile_kx8_q6 and the reference: the same bits. */
+static inline __attribute__((always_inline)) void tile_kx8_q6_zmm(const int NR, const uint8_t *w, const uint8_t *x,
+                                                                  int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK;
+    const __m512i runs = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i pairs = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
+    const __m512i low = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[8]; /* activation rows 2p, 2p+1 */
+    for (int p = 0; p < NR / 2; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_Q6;
+        for (int l = 0; l < KX8_Q6; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+#pragma GCC unroll 2
+        for (int hh = 0; hh < NR / 8; hh++) { /* 8 activation rows at a time: their sums in the registers */
+            __m512i isum[8];
+            for (int r = 0; r < 8; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+                for (int p = 0; p < 2; p++) {
+                    __m512i lo[4], hi[4], sc[2];
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) {
+                        const __m512i raw = _mm512_permutexvar_epi32(runs, _mm512_loadu_si512(blk + KX8_Q6_QL + 32 * (16 * h + 8 * p + 2 * m)));
+                        const __m512i qh = _mm512_permutexvar_epi32(runs, _mm512_loadu_si512(blk + KX8_Q6_QH + 32 * (8 * h + 2 * m)));
+                        const __m512i hl = p ? _mm512_slli_epi16(qh, 2) : _mm512_slli_epi16(qh, 4);
+                        const __m512i hq = p ? _mm512_srli_epi16(qh, 2) : qh;
+                        lo[m] = _mm512_ternarylogic_epi32(_mm512_and_si512(raw, low), hl, m30, 0xF8);
+                        hi[m] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hq, m30, 0xF8);
+                    }
+#pragma GCC unroll 2
+                    for (int half = 0; half < 2; half++) { /* int32 lanes 4j..: sub-block sl_at rows 2j, 2j+1, then sh_at */
+                        const int sl_at = 2 * (4 * h + p) + half, sh_at = sl_at + 4;
+                        const __m128i t = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * sl_at)),
+                                                             _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * sh_at)));
+                        sc[half] = _mm512_cvtepi8_epi32(_mm_unpacklo_epi16(t, _mm_srli_si128(t, 8)));
+                    }
+#pragma GCC unroll 8
+                    for (int r = 0; r < 8; r++) {
+                        const uint8_t *xb = x + (8 * hh + r) * xs + b * QKK + 32 * (4 * h + p);
+#pragma GCC unroll 2
+                        for (int half = 0; half < 2; half++) {
+                            __m512i s = _mm512_setzero_si512(), u = _mm512_setzero_si512();
+#pragma GCC unroll 2
+                            for (int m = 2 * half; m < 2 * half + 2; m++) {
+                                long long v, v2;
+                                memcpy(&v, xb + 8 * m, 8);
+                                memcpy(&v2, xb + 64 + 8 * m, 8);
+                                s = _mm512_dpbusd_epi32(s, lo[m], _mm512_set1_epi64(v));
+                                u = _mm512_dpbusd_epi32(u, hi[m], _mm512_set1_epi64(v2));
+                            }
+                            const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(u);
+                            const __m512i st = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                                _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(st, sc[half]));
+                        }
+                    }
+                }
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const int r0 = 8 * hh + 2 * q;
+                const __m512 a = _mm512_castsi512_ps(isum[2 * q]), c = _mm512_castsi512_ps(isum[2 * q + 1]);
+                __m512i is = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(1, 0, 1, 0))),
+                                              _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 2, 3, 2))));
+                const int16_t *bs0 = K_BSUMS(x + r0 * xs, n) + 16 * b, *bs1 = K_BSUMS(x + (r0 + 1) * xs, n) + 16 * b;
+                __m512i im = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const __m128i t = _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * k));
+                    const __m512i sp = _mm512_permutexvar_epi32(pairs, _mm512_castsi256_si512(
+                                                                           _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(t, _mm_srli_si128(t, 8)))));
+                    const uint32_t w0 = (uint16_t)bs0[2 * k] | (uint32_t)(uint16_t)bs0[2 * k + 1] << 16;
+                    const uint32_t w1 = (uint16_t)bs1[2 * k] | (uint32_t)(uint16_t)bs1[2 * k + 1] << 16;
+                    const __m512i wv = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)w0), 0xCCCC, (int)w1);
+                    im = _mm512_add_epi32(im, _mm512_madd_epi16(sp, wv));
+                }
+                is = _mm512_sub_epi32(is, _mm512_slli_epi32(im, 5));
+                const float dx0 = K_D(x + r0 * xs, n)[b], dx1 = K_D(x + (r0 + 1) * xs, n)[b];
+                const __m512 dx = _mm512_mask_mov_ps(_mm512_set1_ps(dx0), 0xCCCC, _mm512_set1_ps(dx1));
+                acc[4 * hh + q] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(is), acc[4 * hh + q]);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int p = 0; p < NR / 2; p++) {
+        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(first, acc[p])));
+        _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(second, acc[p])));
+    }
+}
+#endif
+
 static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+#ifdef KX8_ZMM /* 16 or 8 rows in 512-bit vectors, the rest in the 256-bit tile */
+    if (nr == 16) { tile_kx8_q6_zmm(16, w, x, xs, n, y, ldy); return; }
+    if (nr >= 8) { tile_kx8_q6_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
+    if (nr > 4) { tile_kx8_q6(4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
+    if (nr <= 0) return;
+#endif
     switch (nr) {
     case 4: tile_kx8_q6(4, w, x, xs, n, y, ldy); return;
     case 3: tile_kx8_q6(3, w, x, xs, n, y, ldy); return;
@@ -809,11 +915,11 @@ qtile_fn twq_kx8_pair_tile(int type) {
     return 0;
 }
 
-/* The most activation rows one x8 tile call of a K type takes: 16 where Q4_K has its 512-bit
- * tile (a super-block's weights unpacked once for 8 rows, its scales once for 16), else 4. */
+/* The most activation rows one x8 tile call of a K type takes: 16 with the 512-bit tiles (a
+ * super-block's weights unpacked once for 8 rows, its scales once for 16), else 4. */
 int twq_kx8_tile_rows(int type) {
 #ifdef KX8_ZMM
-    if (type == QT_Q4_K) return 16;
+    return 16;
 #endif
     (void)type;
     return 4;
