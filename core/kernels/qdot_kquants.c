@@ -672,12 +672,25 @@ static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, con
 }
 #endif
 
-static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-#ifdef KX8_ZMM /* 16 or 8 rows in 512-bit vectors, the rest in the 256-bit tile */
+#ifdef KX8_ZMM
+/* 5-16 rows: 16 or 8 in 512-bit vectors, the rest in the 256-bit tile (a function of its own,
+ * so that the 1-4 row tiles compile as before) */
+static __attribute__((noinline)) void zmm_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n,
+                                                  float *y, int64_t ldy) {
     if (nr == 16) { tile_kx8_zmm(16, w, x, xs, n, y, ldy); return; }
     if (nr >= 8) { tile_kx8_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
-    if (nr > 4) { tile_kx8(1, 4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
-    if (nr <= 0) return;
+    if (nr >= 4) { tile_kx8(1, 4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
+    switch (nr) {
+    case 3: tile_kx8(1, 3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8(1, 2, w, x, xs, n, y, ldy); return;
+    case 1: tile_kx8(1, 1, w, x, xs, n, y, ldy); return;
+    }
+}
+#endif
+
+static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+#ifdef KX8_ZMM
+    if (nr > 4) { zmm_kx8_q4_k(nr, w, x, xs, n, y, ldy); return; }
 #endif
     switch (nr) {
     case 4: tile_kx8(1, 4, w, x, xs, n, y, ldy); return;
@@ -876,12 +889,25 @@ static inline __attribute__((always_inline)) void tile_kx8_q6_zmm(const int NR, 
 }
 #endif
 
-static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-#ifdef KX8_ZMM /* 16 or 8 rows in 512-bit vectors, the rest in the 256-bit tile */
+#ifdef KX8_ZMM
+/* 5-16 rows: 16 or 8 in 512-bit vectors, the rest in the 256-bit tile (a function of its own,
+ * so that the 1-4 row tiles compile as before) */
+static __attribute__((noinline)) void zmm_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n,
+                                                  float *y, int64_t ldy) {
     if (nr == 16) { tile_kx8_q6_zmm(16, w, x, xs, n, y, ldy); return; }
     if (nr >= 8) { tile_kx8_q6_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
-    if (nr > 4) { tile_kx8_q6(4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
-    if (nr <= 0) return;
+    if (nr >= 4) { tile_kx8_q6(4, w, x, xs, n, y, ldy); nr -= 4, x += 4 * xs, y += 4 * ldy; }
+    switch (nr) {
+    case 3: tile_kx8_q6(3, w, x, xs, n, y, ldy); return;
+    case 2: tile_kx8_q6(2, w, x, xs, n, y, ldy); return;
+    case 1: tile_kx8_q6(1, w, x, xs, n, y, ldy); return;
+    }
+}
+#endif
+
+static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+#ifdef KX8_ZMM
+    if (nr > 4) { zmm_kx8_q6_k(nr, w, x, xs, n, y, ldy); return; }
 #endif
     switch (nr) {
     case 4: tile_kx8_q6(4, w, x, xs, n, y, ldy); return;
