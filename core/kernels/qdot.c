@@ -239,7 +239,7 @@ static qtile_fn pair_tile_for(int type) {
     return is_x8(type) && is_kquant(base_type(type)) ? twq_kx8_pair_tile(base_type(type)) : 0;
 }
 
-/* The most activation rows one SIMD tile call of this type takes (some x8 types' 8, else 4). */
+/* The most activation rows one SIMD tile call of this type takes (x8 types: 4, 8 or 16, else 4). */
 static int tile_rows_for(int type) {
     if (!is_x8(type)) return 4;
     return is_legacy(base_type(type)) ? twq_x8_tile_rows(base_type(type)) : twq_kx8_tile_rows(base_type(type));

@@ -700,6 +700,7 @@ static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
     }
 }
 
+#ifndef KX8_ZMM /* (the 512-bit tiles take 8 and 16 rows one group at a time) */
 /* Two consecutive groups (16 weight rows, y[r·ldy + i] for i < 16). */
 static void avx2_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,
                             int64_t ldy) {
@@ -710,6 +711,7 @@ static void avx2_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t 
     default: tile_kx8(2, 1, w, x, xs, n, y, ldy); return;
     }
 }
+#endif
 #endif
 
 #ifdef __AVX2__
@@ -933,7 +935,7 @@ qtile_fn twq_kx8_tile(int type, int reference) {
  * (q_gemm then runs the one-group tile per group). */
 qtile_fn twq_kx8_pair_tile(int type) {
 #ifdef __AVX2__
-#ifndef KX8_ZMM /* (the 512-bit tile takes 8 and 16 rows one group at a time) */
+#ifndef KX8_ZMM
     if (type == QT_Q4_K) return avx2_kx8x2_q4_k;
 #endif
 #endif
