@@ -688,10 +688,7 @@ static __attribute__((noinline)) void zmm_kx8_q4_k(int nr, const uint8_t *w, con
 }
 #endif
 
-static void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-#ifdef KX8_ZMM
-    if (nr > 4) { zmm_kx8_q4_k(nr, w, x, xs, n, y, ldy); return; }
-#endif
+static __attribute__((noinline)) void avx2_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
     switch (nr) {
     case 4: tile_kx8(1, 4, w, x, xs, n, y, ldy); return;
     case 3: tile_kx8(1, 3, w, x, xs, n, y, ldy); return;
@@ -907,10 +904,7 @@ static __attribute__((noinline)) void zmm_kx8_q6_k(int nr, const uint8_t *w, con
 }
 #endif
 
-static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-#ifdef KX8_ZMM
-    if (nr > 4) { zmm_kx8_q6_k(nr, w, x, xs, n, y, ldy); return; }
-#endif
+static __attribute__((noinline)) void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
     switch (nr) {
     case 4: tile_kx8_q6(4, w, x, xs, n, y, ldy); return;
     case 3: tile_kx8_q6(3, w, x, xs, n, y, ldy); return;
@@ -920,11 +914,28 @@ static void avx2_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
 }
 #endif
 
+#ifdef KX8_ZMM
+/* 5-16 rows in the 512-bit tiles, 1-4 in the 256-bit ones (functions of their own: the 1-4 row
+ * tiles compile as in builds without the 512-bit ones) */
+static void wide_kx8_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    if (nr > 4) zmm_kx8_q4_k(nr, w, x, xs, n, y, ldy);
+    else avx2_kx8_q4_k(nr, w, x, xs, n, y, ldy);
+}
+
+static void wide_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    if (nr > 4) zmm_kx8_q6_k(nr, w, x, xs, n, y, ldy);
+    else avx2_kx8_q6_k(nr, w, x, xs, n, y, ldy);
+}
+#endif
+
 /* The x8 tiles of a K type (`type`: its own id; Q4_K, Q6_K): 8 weight rows × 1–4 activation
  * rows, y[r·ldy + i] for i < 8. */
 qtile_fn twq_kx8_tile(int type, int reference) {
     if (type != QT_Q4_K && type != QT_Q6_K) return 0;
 #ifdef __AVX2__
+#ifdef KX8_ZMM
+    if (!reference) return type == QT_Q6_K ? wide_kx8_q6_k : wide_kx8_q4_k;
+#endif
     if (!reference) return type == QT_Q6_K ? avx2_kx8_q6_k : avx2_kx8_q4_k;
 #endif
     (void)reference;
