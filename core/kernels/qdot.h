@@ -132,6 +132,19 @@ static inline __m256i qd_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* The 512-bit x8 tiles' results: acc[p] holds activation rows 2p and 2p + 1 of a group's 8
+ * weight rows, lanes (0, 1, 4, 5, 8, 9, 12, 13) the first row's and the rest the second's. */
+static inline void qd_store_row_pairs(const __m512 *acc, int pairs, float *y, int64_t ldy) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int p = 0; p < pairs; p++) {
+        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(first, acc[p])));
+        _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(second, acc[p])));
+    }
+}
+#endif
+
 /* qdot_legacy.c / qdot_kquants.c: the tiles of each family, the AVX2 one where the CPU has
  * it (NULL otherwise) and the portable scalar reference. */
 qtile_fn twq_legacy_tile(int type, int reference);

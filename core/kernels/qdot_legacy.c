@@ -612,12 +612,7 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
             }
         }
     }
-    const __m512i first = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i second = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int p = 0; p < NR / 2; p++) {
-        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(first, acc[p])));
-        _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm512_castps512_ps256(_mm512_permutexvar_ps(second, acc[p])));
-    }
+    qd_store_row_pairs(acc, NR / 2, y, ldy);
 }
 #endif
 #else
