@@ -133,6 +133,20 @@ static inline __m256i qd_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 #ifdef __AVX512F__
+/* Integer lane sums of two vectors, per 128-bit block (the 512-bit x8 tiles): pairs, the
+ * adjacent lanes (0+1, 2+3) of s then of t; halves, lanes 0+2 and 1+3 of s then of t. */
+static inline __m512i qd_add_lane_pairs(__m512i s, __m512i t) {
+    const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(t);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
+                            _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+static inline __m512i qd_add_lane_halves(__m512i s, __m512i t) {
+    const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(t);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(1, 0, 1, 0))),
+                            _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 2, 3, 2))));
+}
+
 /* The 512-bit x8 tiles' results: acc[p] holds activation rows 2p and 2p + 1 of a group's 8
  * weight rows, lanes (0, 1, 4, 5, 8, 9, 12, 13) the first row's and the rest the second's. */
 static inline void qd_store_row_pairs(const __m512 *acc, int pairs, float *y, int64_t ldy) {

@@ -635,18 +635,14 @@ static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, con
                         s = _mm512_dpbusd_epi32(s, lo[m], _mm512_set1_epi64(v));
                         t = _mm512_dpbusd_epi32(t, hi[m], _mm512_set1_epi64(u));
                     }
-                    const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(t);
-                    const __m512i st = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
-                                                        _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                    const __m512i st = qd_add_lane_pairs(s, t);
                     isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(st, sc[k]));
                 }
             }
 #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {
                 const int r0 = 8 * h + 2 * p;
-                const __m512 a = _mm512_castsi512_ps(isum[2 * p]), c = _mm512_castsi512_ps(isum[2 * p + 1]);
-                const __m512i is = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(1, 0, 1, 0))),
-                                                    _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 2, 3, 2))));
+                const __m512i is = qd_add_lane_halves(isum[2 * p], isum[2 * p + 1]);
                 const int16_t *bs0 = K_BSUMS(x + r0 * xs, n) + 16 * b, *bs1 = K_BSUMS(x + (r0 + 1) * xs, n) + 16 * b;
                 __m512i im = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -842,9 +838,7 @@ static inline __attribute__((always_inline)) void tile_kx8_q6_zmm(const int NR, 
                                 s = _mm512_dpbusd_epi32(s, lo[m], _mm512_set1_epi64(v));
                                 u = _mm512_dpbusd_epi32(u, hi[m], _mm512_set1_epi64(v2));
                             }
-                            const __m512 a = _mm512_castsi512_ps(s), c = _mm512_castsi512_ps(u);
-                            const __m512i st = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
-                                                                _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                            const __m512i st = qd_add_lane_pairs(s, u);
                             isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(st, sc[half]));
                         }
                     }
@@ -852,9 +846,7 @@ static inline __attribute__((always_inline)) void tile_kx8_q6_zmm(const int NR, 
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) {
                 const int r0 = 8 * hh + 2 * q;
-                const __m512 a = _mm512_castsi512_ps(isum[2 * q]), c = _mm512_castsi512_ps(isum[2 * q + 1]);
-                __m512i is = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(1, 0, 1, 0))),
-                                              _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 2, 3, 2))));
+                __m512i is = qd_add_lane_halves(isum[2 * q], isum[2 * q + 1]);
                 const int16_t *bs0 = K_BSUMS(x + r0 * xs, n) + 16 * b, *bs1 = K_BSUMS(x + (r0 + 1) * xs, n) + 16 * b;
                 __m512i im = _mm512_setzero_si512();
 #pragma GCC unroll 8

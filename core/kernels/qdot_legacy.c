@@ -598,9 +598,7 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
             }
 #pragma GCC unroll 4
             for (int p = 0; p < H / 2; p++) {
-                const __m512 a = _mm512_castsi512_ps(s[2 * p]), c = _mm512_castsi512_ps(s[2 * p + 1]);
-                const __m512i isum = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))),
-                                                      _mm512_castps_si512(_mm512_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+                const __m512i isum = qd_add_lane_pairs(s[2 * p], s[2 * p + 1]);
                 const float *dx0 = LEGACY_DX(x + (8 * h + 2 * p) * xs, n) + 2 * b, *dx1 = LEGACY_DX(x + (8 * h + 2 * p + 1) * xs, n) + 2 * b;
                 __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx0[0])); /* (a broadcast d_x for both rows: slower) */
                 sc = _mm512_mask_mul_ps(sc, 0xCCCC, dw, _mm512_set1_ps(dx1[0]));
