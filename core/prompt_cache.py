@@ -12,7 +12,7 @@ is converted, so a loaded cache is bit for bit the one that was saved.
 
 The model's fingerprint (`fingerprint`): SHA-256 over the config, each weight's name,
 shape, dtype and 3 × 32 of its elements (first, middle, last; as stored: the blocks of a
-quantized weight), the tokenizer's serialization, and the tensor-parallel shard. Another
+quantized weight), the tokenizer file's SHA-256, and the tensor-parallel shard. Another
 checkpoint (a fine-tune, another quantization, --dequantize, another tokenizer) gives
 another fingerprint; hashing every weight byte would cost a second per GB on every run.
 The dtype and the kv-dtype are stored and checked on their own (for a clearer refusal).
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from .cache import KVCache, offset_keys_of
@@ -42,7 +43,9 @@ from .errors import TwiceError
 FORMAT = "twice-prompt-cache"
 # 2: q8_0/q4_0 caches hold keys minus the layer's key bias (cache.offset_keys); a version-1 file of such a
 # cache would load as if its keys were unshifted, so it is refused as the stale format it is.
-VERSION = "2"
+# 3: the fingerprint takes the tokenizer file's SHA-256 instead of its serialization (a version-2
+# file's fingerprint would never match again: refused as stale, and replaced, not kept as foreign).
+VERSION = "3"
 TOKEN_IDS = "token_ids"
 
 
@@ -97,17 +100,17 @@ def snapshot(cache: KVCache, tokens: int, row: int = 0) -> dict[str, torch.Tenso
     return {name: t[:, row, :, :tokens].contiguous().cpu() for name, t in stored_tensors(cache).items()}
 
 
-def restore(cache: KVCache, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill an empty one-row `cache` (of capacity ≥ the stored tokens) with `tensors` (as
-    `snapshot` gave them, checked against `layout`)."""
-    own = stored_tensors(cache)
-    if set(own) != set(tensors):
-        raise PromptCacheError(f"holds tensors {sorted(tensors)}, this cache stores {sorted(own)}")
-    tokens = tensors["k"].shape[2]
+def destinations(cache: KVCache, tokens: int) -> dict[str, torch.Tensor]:
+    """Where a stored cache's tensors go in an empty one-row `cache` (of capacity ≥
+    `tokens`): views [layers, kv_heads, tokens, ...] of row 0's first columns, each
+    [tokens, ...] slice contiguous; fill them, then call `restored`."""
     if tokens > cache.capacity or cache.batch != 1:
         raise ValueError("restore needs a one-row cache with room for the stored tokens")
-    for name, t in own.items():
-        t[:, 0, :, :tokens] = tensors[name].to(t.device)
+    return {name: t[:, 0, :, :tokens] for name, t in stored_tensors(cache).items()}
+
+
+def restored(cache: KVCache, tokens: int) -> None:
+    """Mark `cache` as holding the `tokens` columns written into its `destinations`."""
     cache.length = tokens
     cache.starts = None
     invalidate = getattr(cache, "invalidate", None)  # a cache with derived state (a float copy) rebuilds it
@@ -130,20 +133,31 @@ def fingerprint(model: torch.nn.Module, tokenizer=None) -> str:
             continue
         seen.add(t.data_ptr())
         h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
-        owner, _, leaf = name.rpartition(".")  # blocks: sampled as stored, whatever their layout (qweight)
-        stored = getattr(modules.get(owner), "stored_bytes", None)
-        for begin in (0, max(0, n // 2 - 16), max(0, n - 32)):
-            piece = (stored(leaf, begin, begin + 32) if stored else flat[begin:begin + 32]).contiguous()
-            if piece.numel():
-                h.update(piece.view(torch.uint8).cpu().numpy().tobytes())
-    hf = getattr(tokenizer, "hf", None)
-    if hf is not None:
+        owner, _, leaf = name.rpartition(".")
+        h.update(_sampled_bytes(t, getattr(modules.get(owner), "stored_bytes", None), leaf))
+    digest = getattr(tokenizer, "digest", None)  # the tokenizer file's, taken as it was read
+    if digest is not None:
+        h.update(digest.encode())
+    elif (hf := getattr(tokenizer, "hf", None)) is not None:
         h.update(hf.to_str().encode())
-    digest = h.hexdigest()
-    object.__setattr__(model, "_twice_fingerprint", digest)
-    return digest
+    return h.hexdigest()
+
+
+def _sampled_bytes(t: torch.Tensor, stored, leaf: str) -> bytes:
+    """The bytes of 3 × 32 elements of `t` (first, middle, last), as stored: a quantized
+    weight's blocks as the file holds them, whatever their layout in memory (`stored`, the
+    owner's stored_bytes). Indexed in numpy: a torch call per piece would cost more than the
+    rest of a prompt-cache load."""
+    n = t.numel()
+    at = np.concatenate([np.arange(b, min(b + 32, n), dtype=np.int64)
+                         for b in (0, max(0, n // 2 - 16), max(0, n - 32))])
+    if t.device.type != "cpu":
+        return t.detach().reshape(-1)[torch.from_numpy(at).to(t.device)].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    if stored is not None and (got := stored(leaf, at)) is not None:
+        return got.tobytes()
+    flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+    size = t.element_size()
+    return flat[(at[:, None] * size + np.arange(size)).reshape(-1)].tobytes()
 
 
 def describe(model: torch.nn.Module, cache: KVCache, tokenizer=None) -> dict[str, str]:

@@ -215,20 +215,18 @@ class _Blocks(torch.nn.Module):
             done += 1
         return done
 
-    def stored_bytes(self, buffer: str, begin: int, end: int) -> torch.Tensor:
-        """Bytes [begin, end) of buffer `buffer` ("blocks0") as its rows are stored in the file,
-        whatever its layout now (un-interleaving only the groups they fall in): what a
-        fingerprint of the weights samples, so that it does not depend on the layout."""
-        flat = getattr(self, buffer).detach().reshape(-1)
+    def stored_bytes(self, buffer: str, offsets):
+        """The bytes at `offsets` (numpy int64) of buffer `buffer` ("blocks0") as its rows are
+        stored in the file (numpy uint8), or None where the buffer holds them as stored: what
+        a fingerprint of the weights samples, so that it does not depend on the layout. CPU
+        buffers only."""
         if not (buffer.startswith("blocks") and buffer[6:].isdigit()):  # a bias
-            return flat[begin:end]
+            return None
         c = self.codecs[int(buffer[6:])]
         if c.rows_per_group == 1:
-            return flat[begin:end]
-        group = c.rows_per_group * c.row_bytes(self.in_features)
-        lo, hi = begin // group * group, -(-end // group) * group
-        rows = x8.deinterleave(flat[lo:hi].view(-1, c.row_bytes(self.in_features)), c.name)
-        return rows.reshape(-1)[begin - lo:end - lo]
+            return None
+        flat = getattr(self, buffer).detach().reshape(-1).numpy()
+        return flat[x8.stored_positions(c.name, c.row_bytes(self.in_features), offsets)]
 
     def part_for_row(self, row: int) -> tuple[str, int]:
         """(buffer name, first row) of the part holding output row `row`."""

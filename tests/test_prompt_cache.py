@@ -18,6 +18,7 @@ and context shift (`twice chat --context-shift`).
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import struct
 from pathlib import Path
@@ -207,7 +208,7 @@ BAD = [
                                          "it at [0, 6400] (the header was changed)"),
     ("token count lies", _tokens_lie, "its metadata says 24 tokens, token_ids holds 25"),
     ("wrong shapes", _wrong_shapes, "tensor 'k' is F32 [2, 3, 25, 16], this model's cache needs F32 [2, 2, 25, 16]"),
-    ("version 1", _version_1, 'prompt-cache version "1", this twice reads "2"'),
+    ("version 1", _version_1, 'prompt-cache version "1", this twice reads "3"'),
     ("not a prompt cache", _not_ours, "not a twice prompt cache"),
     ("empty", lambda p: p.write_bytes(b""), "truncated prompt-cache file"),
     ("huge header", lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "not a twice prompt cache"),
@@ -259,7 +260,17 @@ def test_another_models_and_another_dtypes_files_are_refused(model_dirs, tmp_pat
     from twice.core.prompt_cache import fingerprint
 
     loaded = _load(model_dirs("llama"))
-    assert fingerprint(loaded.model, loaded.tokenizer) != fingerprint(_load(model_dirs("llama")).model, None)
+    again = _load(model_dirs("llama"))
+    assert fingerprint(loaded.model, loaded.tokenizer) == fingerprint(again.model, again.tokenizer)
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(model_dirs("llama"), other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[-2:]  # two tokens trade ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    swapped = _load(other)
+    assert fingerprint(swapped.model, swapped.tokenizer) != fingerprint(loaded.model, loaded.tokenizer)
 
 
 def test_a_foreign_file_is_never_replaced_and_a_stale_one_is(model_dirs, tmp_path, capsys):

@@ -40,6 +40,10 @@ def test_layout_round_trip_and_dequantize(name, out, blocks):
     il = x8.interleave(data, name)
     assert il.shape == data.shape and not torch.equal(il, data)
     assert torch.equal(x8.deinterleave(il, name), data)
+    # any stored byte found in the layout without deinterleaving (a prompt cache's fingerprint)
+    every = torch.arange(data.numel()).numpy()
+    assert torch.equal(il.reshape(-1)[torch.from_numpy(x8.stored_positions(name, data.shape[1], every))],
+                       data.reshape(-1))
     cx = x8.interleaved(c)
     assert (cx.name, cx.ggml_type, cx.rows_per_group) == (c.name, c.ggml_type + x8.X8, 8) and x8.base(cx) == c
     ref = quant.dequantize(data, name)

@@ -43,6 +43,10 @@ def test_layout_round_trip_and_dequantize(out, blocks, name):
     il = x8.interleave(data, name)
     assert il.shape == data.shape and not torch.equal(il, data)
     assert torch.equal(x8.deinterleave(il, name), data)
+    # any stored byte found in the layout without deinterleaving (a prompt cache's fingerprint)
+    every = torch.arange(data.numel()).numpy()
+    assert torch.equal(il.reshape(-1)[torch.from_numpy(x8.stored_positions(name, data.shape[1], every))],
+                       data.reshape(-1))
     mine = data.clone()
     assert kernels.interleave_rows(mine, codec.ggml_type, blocks * 256) and torch.equal(mine, il)
     cx = x8.interleaved(codec)

@@ -13,7 +13,8 @@ entries, dtypes, offsets that tile the file), then, before any tensor is allocat
 metadata (format, version, fingerprint, dtype, kv-dtype) and every tensor's name, dtype,
 shape and byte range against what this model's cache stores (the table is exactly what
 `encode` writes), the token count against the context;
-then the data is read once, its checksum compared, and the tensors made from it.
+then the data is read once, straight into the new cache's memory, its checksum compared as
+it is read (a mismatch drops that cache: the engine keeps its own).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -107,13 +109,25 @@ def _header(path: Path, any_version: bool = False) -> tuple[dict, int, int]:
     return header, start, size
 
 
-def read(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-         max_tokens: int, vocab_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The tensors and token ids of a prompt cache made for this model, or PromptCacheError
+@dataclass
+class Checked:
+    """A prompt cache whose header holds what this model's cache stores: `tokens` columns,
+    the data from byte `start` on, `checksum` the SHA-256 its data must have."""
+
+    path: Path
+    tokens: int
+    start: int
+    checksum: str
+    names: tuple[str, ...]  # the stored tensors in the file's order (token_ids after them)
+
+
+def check(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+          max_tokens: int) -> Checked:
+    """A prompt cache made for this model, checked by its header alone, or PromptCacheError
     naming the first mismatch (one line). `expected`: fingerprint, dtype, kv_dtype (the
     metadata this run would write); `layout`: name → (dtype, [layers, kv_heads, -1, ...])."""
     path = Path(path)
-    header, start, size = _header(path)
+    header, start, _ = _header(path)
     meta = header["__metadata__"]
     for key, flag in (("dtype", "--dtype"), ("kv_dtype", "--kv-dtype")):
         if meta.get(key) != expected[key]:
@@ -151,32 +165,48 @@ def read(path: Path, expected: dict[str, str], layout: dict[str, tuple[torch.dty
             raise PromptCacheError(f"{path}: tensor {name!r} lies at bytes {entry['data_offsets']} of the data, where "
                                    f"twice writes it at {[at, end]} (the header was changed)")
         at = end
-    # Every size is now the one this model's cache has: reading the data allocates no more.
+    return Checked(path, tokens, start, str(meta.get("checksum")), tuple(sorted(layout)))
+
+
+def fill(checked: Checked, into: dict[str, torch.Tensor], vocab_size: int) -> list[int]:
+    """Read the checked file's tensors into `into` (name → a view [layers, kv_heads, tokens,
+    ...] whose [tokens, ...] slices are each contiguous: a cache's own memory, so the data
+    is read once, into where it stays) and return its token ids; PromptCacheError if the
+    data is short, does not match its checksum, or holds an id outside the vocabulary (the
+    views then hold garbage: the caller drops what they belong to)."""
     from .files import open_regular
 
+    path, h = checked.path, hashlib.sha256()
+    ids = torch.empty(checked.tokens, dtype=torch.int64)
     try:
         with open_regular(path, PromptCacheError) as f:
-            f.seek(start)
-            data = f.read(size - start)
+            f.seek(checked.start)
+            for name in checked.names:
+                for per_layer in into[name]:
+                    for piece in per_layer:
+                        _read_exactly(f, piece, h, path)
+            _read_exactly(f, ids, h, path)
     except OSError as e:
         raise PromptCacheError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(data) != size - start:
-        raise PromptCacheError(f"{path}: truncated while reading")
-    if hashlib.sha256(data).hexdigest() != meta.get("checksum"):
+    if h.hexdigest() != checked.checksum:
         raise PromptCacheError(f"{path}: its data does not match its checksum (the file is corrupt or was changed)")
-    buffer = bytearray(data)
-    del data
-    out = {}
-    for name in (*layout, TOKEN_IDS):
-        entry = header[name]
-        b, e = entry["data_offsets"]
-        flat = torch.frombuffer(buffer, dtype=_TORCH[entry["dtype"]], offset=b, count=(e - b) // _elem(entry))
-        out[name] = flat.reshape(entry["shape"])
-    ids = out.pop(TOKEN_IDS).tolist()
+    ids = ids.tolist()
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise PromptCacheError(f"{path}: token id {max(ids) if max(ids) >= vocab_size else min(ids)} is outside "
                                f"the vocabulary (0..{vocab_size - 1})")
-    return out, ids
+    return ids
+
+
+def _read_exactly(f, dest: torch.Tensor, h, path: Path) -> None:
+    """dest's bytes from f (straight into a contiguous CPU tensor, else through a copy), hashed."""
+    direct = dest.device.type == "cpu" and dest.is_contiguous()
+    target = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
+    raw = target.reshape(-1).view(torch.uint8).numpy()
+    if f.readinto(raw) != raw.size:
+        raise PromptCacheError(f"{path}: truncated while reading")
+    h.update(raw)
+    if not direct:
+        dest.copy_(target)
 
 
 def _elem(entry: dict) -> int:
@@ -200,9 +230,10 @@ def load_into(engine, path: Path) -> int:
 
     probe = _new_cache(engine, 1)
     expected = pc.describe(engine.model, probe, engine.tokenizer)
-    tensors, ids = read(path, expected, pc.layout(probe), engine.context_length, engine.config.vocab_size)
-    cache = _new_cache(engine, engine._capacity(len(ids)))
-    pc.restore(cache, tensors)
+    checked = check(path, expected, pc.layout(probe), engine.context_length)
+    cache = _new_cache(engine, engine._capacity(checked.tokens))
+    ids = fill(checked, pc.destinations(cache, checked.tokens), engine.config.vocab_size)
+    pc.restored(cache, checked.tokens)
     engine.reset()
     engine.cache, engine.cached_ids = cache, ids
     return len(ids)

@@ -9,6 +9,7 @@ takes seconds and gigabytes, the bound microseconds."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -247,6 +248,9 @@ class Tokenizer:
         if not path.exists():  # a FIFO or device is refused by read_limited, never opened blocking
             raise TokenizerError(f"{folder}: no tokenizer.json (twice reads fast-tokenizer files only)")
         raw = read_limited(path, MAX_JSON_BYTES, TokenizerError)
+        # What a prompt cache's model fingerprint takes of the tokenizer: its file, hashed as it
+        # is read (a few ms), where serializing the pipeline again would cost tens.
+        self.digest = hashlib.sha256(raw).hexdigest()
         try:
             self.hf = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files

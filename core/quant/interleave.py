@@ -23,6 +23,8 @@ dequantizer (`dequantize_part`): the tests and every non-native path use it.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 X8 = 256  # added to a type's ggml id for its interleaved layout (never in a file: in memory only)
@@ -107,7 +109,7 @@ def deinterleave(data: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name} x8 needs whole groups of {GROUP} rows of whole blocks, got {tuple(data.shape)}")
     g, nb = rows // GROUP, row_bytes // size
     flat = data.reshape(g, nb, GROUP * size)
-    out = torch.empty(g, nb, GROUP, size, dtype=torch.uint8, device=data.device)
+    out = torch.empty(g, nb, GROUP, size, dtype=data.dtype, device=data.device)
     at = 0
     for o, w in fields:
         out[..., o:o + w] = flat[..., at:at + GROUP * w].reshape(g, nb, GROUP, w)
@@ -116,6 +118,23 @@ def deinterleave(data: torch.Tensor, name: str) -> torch.Tensor:
     out[..., qoff:qend] = flat[..., at:].reshape(g, nb, runs, GROUP, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP,
                                                                                                   4 * runs)
     return out.permute(0, 2, 1, 3).reshape(rows, row_bytes)
+
+
+@lru_cache(maxsize=None)
+def _unit_positions(name: str):
+    """[8, type_size] int64 (numpy): where byte k of row r's block lies among the 8 blocks'
+    bytes of one x8 unit (deinterleave applied to the positions themselves)."""
+    size = _FIELDS[name][0]
+    return deinterleave(torch.arange(GROUP * size).reshape(GROUP, size), name).numpy()
+
+
+def stored_positions(name: str, row_bytes: int, offsets):
+    """The x8 byte offsets (numpy int64) of a part's bytes at `offsets` (numpy int64) of its
+    rows as stored: reading a few stored bytes without deinterleaving their group."""
+    size = _FIELDS[name][0]
+    row, col = offsets // row_bytes, offsets % row_bytes
+    block, k = col // size, col % size
+    return (row - row % GROUP) * row_bytes + block * (GROUP * size) + _unit_positions(name)[row % GROUP, k]
 
 
 def dequantize_part(data: torch.Tensor, codec) -> torch.Tensor:
