@@ -108,6 +108,21 @@ def attend(
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+def attend_blocks(q: torch.Tensor, cache: KVCache, layer: int, end: int, mask, scale: float) -> torch.Tensor | None:
+    """attend() for new tokens over a block cache's columns [0, end) of `layer` as stored (the
+    native kernel decodes each kv head's blocks into its own tiles: no float copy of the
+    cache), bit for bit attend() over `cache.attended`; None where the kernel does not apply
+    (another mask, device or shape: the caller decodes and attends)."""
+    if not (mask is CAUSAL or isinstance(mask, CausalAfter)):
+        return None
+    column, starts = (0, None) if mask is CAUSAL else (mask.column, mask.starts)
+    if column + q.shape[2] != end:
+        return None
+    offset = cache.key_offset[layer] if cache.key_offset is not None else None
+    return kernels.causal_attention_blocks(q, cache.k[layer], cache.v[layer], cache.format.ggml_type, scale, column,
+                                           starts, offset)
+
+
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
                       softcap: float) -> torch.Tensor:
     """attend() with soft-capped scores, as transformers' eager_attention_forward computes it:
@@ -169,7 +184,16 @@ class CachedSelfAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
-        if getattr(cache, "quantized", False) and (bias := key_bias(self)) is not None:
-            cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
-        keys, values = cache.write(self.layer, step.column, k, v)
-        return self.o_proj(attend(q, keys, values, step.masks[self.window], self.scale, self.softcap))
+        mask = step.masks[self.window]
+        if getattr(cache, "quantized", False):
+            if (bias := key_bias(self)) is not None:
+                cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
+            cache.store(self.layer, step.column, k, v)
+            end = step.column + k.shape[2]
+            out = None if self.softcap is not None else attend_blocks(q, cache, self.layer, end, mask, self.scale)
+            if out is None:
+                out = attend(q, *cache.attended(self.layer, end, q.dtype), mask, self.scale, self.softcap)
+        else:
+            keys, values = cache.write(self.layer, step.column, k, v)
+            out = attend(q, keys, values, mask, self.scale, self.softcap)
+        return self.o_proj(out)

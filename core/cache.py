@@ -262,14 +262,24 @@ class KVCache:
     # -- writes ------------------------------------------------------------------------
     def write(self, layer: int, column: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, D] at columns [column, column+T) of `layer` and
-        return views of all keys/values [B, kv_heads, column+T, D] for attention (a quantized
-        cache, or a float one of another dtype than k's: a copy of those columns in k's dtype)."""
+        return views of all keys/values [B, kv_heads, column+T, D] for attention (`attended`)."""
+        self.store(layer, column, k, v)
+        return self.attended(layer, column + k.shape[2], k.dtype)
+
+    def store(self, layer: int, column: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, kv_heads, T, D] at columns [column, column+T) of `layer`, encoded as
+        the cache stores them."""
         end = column + k.shape[2]
         self.k[layer, :, :, column:end] = self.encode_keys(k, layer)
         self.v[layer, :, :, column:end] = self.encode(v)
+
+    def attended(self, layer: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, end, D] of `layer`'s columns [0, end) as values in
+        `dtype`: views of the cache where it stores them so, else (a quantized cache, a float
+        one of another dtype) a copy."""
         keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        if self.quantized or keys.dtype != k.dtype:
-            return self.decode_keys(keys, layer, k.dtype), self.decode(values, v.dtype)
+        if self.quantized or keys.dtype != dtype:
+            return self.decode_keys(keys, layer, dtype), self.decode(values, dtype)
         return keys, values
 
     def read(self, layer: int, row: int, start: int, end: int,

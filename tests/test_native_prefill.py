@@ -187,3 +187,72 @@ def test_a_padded_batch_takes_the_kernel_and_equals_each_prompt_alone(model_dirs
         for i, p in enumerate(prompts):
             own = m.model(torch.tensor([p]), KVCache(m.config, 1, len(p), cache.k.dtype, "cpu")).float()
             assert (together[i] - own[0]).abs().max() < (0.05 if dtype == "bfloat16" else 1e-4)
+
+
+# -- a block cache (--kv-dtype q8_0|q4_0) read as stored -------------------------------------
+def _block_cache(kv, dtype, b, kvh, d, capacity, offset, seed):
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=kvh, head_dim=d)
+    cache = KVCache(config, b, capacity, dtype, "cpu", kv_dtype=kv)
+    if offset:  # a model with a key bias: keys stored minus it (layer 1 only; layer 0's offset is zero)
+        cache.offset_keys(1, torch.randn(kvh * d, generator=g) * 30)
+    for layer in range(2):
+        k, v = (torch.randn(b, kvh, capacity, d, generator=g).to(dtype) * 2 for _ in range(2))
+        cache.store(layer, 0, k, v)
+    return cache
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,h,kvh,t,column,d,offset,starts", [
+    (1, 9, 3, 37, 0, 64, False, None), (1, 9, 3, 5, 40, 64, True, None), (2, 4, 2, 17, 20, 128, True, None),
+    (1, 6, 2, 1, 63, 128, False, None), (3, 4, 1, 20, 0, 64, True, [0, 5, 12]), (2, 2, 2, 9, 4, 64, False, [3, 0])])
+def test_block_caches_are_read_as_stored_bit_for_bit(kv, dtype, b, h, kvh, t, column, d, offset, starts):
+    """The kernel over a Q8_0/Q4_0 cache's layer as stored (odd key counts, GQA, a later
+    chunk, left padding, a key offset) gives the bits it gives over the cache's own decode
+    of those columns (what the eager layers attended to before)."""
+    from twice.core.attention import attend_blocks
+
+    cache = _block_cache(kv, dtype, b, kvh, d, column + t + 6, offset, seed=t * 7 + column + d)
+    g = torch.Generator().manual_seed(column + t)
+    q = torch.randn(b, t, h, d, generator=g).to(dtype).transpose(1, 2)
+    rows = torch.tensor(starts) if starts is not None else None
+    end = column + t
+    for layer in range(2):
+        keys, values = cache.attended(layer, end, dtype)
+        want = kernels.causal_attention(q, keys.contiguous(), values.contiguous(), d ** -0.5, column, rows)
+        offset_of = cache.key_offset[layer] if cache.key_offset is not None else None
+        got = kernels.causal_attention_blocks(q, cache.k[layer], cache.v[layer], cache.format.ggml_type,
+                                              d ** -0.5, column, rows, offset_of)
+        assert want is not None and got is not None and torch.equal(got, want), (layer, (got - want).abs().max())
+        mask = "causal" if column == 0 and rows is None else CausalAfter(column, None, rows)
+        assert torch.equal(attend_blocks(q, cache, layer, end, mask, d ** -0.5), want)
+
+
+def test_a_block_prefill_reads_the_blocks_and_gives_the_decoded_logits(model_dirs, monkeypatch):
+    """A whole model's prefill and a later chunk on a q8_0 cache: every layer attends through
+    the block kernel (no decoded copy made), the logits bit for bit those over the decoded copy."""
+    from twice.core import attention
+
+    m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="bfloat16")
+    ids = torch.arange(3, 3 + 70).reshape(1, 70)
+    calls = []
+    real = kernels.causal_attention_blocks
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    def run():
+        cache = KVCache(m.config, 1, 80, m.dtype, "cpu", kv_dtype="q8_0")
+        with torch.inference_mode():
+            return torch.cat([m.model(ids[:, a:z], cache, all_logits=True) for a, z in ((0, 50), (50, 70))], dim=1)
+
+    monkeypatch.setattr(kernels, "causal_attention_blocks", counted)
+    native = run()
+    assert calls and all(calls) and len(calls) == 2 * m.config.num_hidden_layers
+    monkeypatch.setattr(attention, "attend_blocks", lambda *args: None)  # the decoded copy, as before
+    assert torch.equal(native, run())

@@ -98,6 +98,9 @@ def _build(march: str = "native", source_dir: Path | None = None) -> ctypes.CDLL
     handle.causal_attention.restype = ctypes.c_int
     handle.causal_attention.argtypes = [ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64,
                                         i64, p, ctypes.c_float, ctypes.c_int]
+    handle.causal_attention_blocks.restype = ctypes.c_int
+    handle.causal_attention_blocks.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, i64, p, p, i64, i64, i64, p,
+                                               p, i64, i64, i64, i64, i64, i64, p, ctypes.c_float, ctypes.c_int]
     for name in ("q_row_bytes", "q_act_bytes"):
         getattr(handle, name).restype = i64
         getattr(handle, name).argtypes = [ctypes.c_int, i64]
@@ -239,6 +242,44 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h,
                                   k.shape[1], t, d, column, starts.data_ptr() if starts is not None else None, scale,
                                   torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("native attention could not allocate its buffers")
+    return out if status == 0 else None
+
+
+def causal_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_type: int, scale: float,
+                            column: int = 0, starts: torch.Tensor | None = None,
+                            key_offset: torch.Tensor | None = None) -> torch.Tensor | None:
+    """causal_attention over a block cache's layer as stored: k/v [B, KV, ≥column + T, bytes]
+    uint8 rows of Q8_0 (kv_type 8) or Q4_0 (2) blocks of the head dimension (cache.py's
+    layout), key_offset [KV, D] float32 (the keys' stored offset, added back) or None. The
+    result is bit for bit causal_attention's over the cache's own decode of those columns;
+    None where that does not apply (as causal_attention's)."""
+    b, h, t, d = q.shape
+    size = {8: 34, 2: 18}.get(kv_type)
+    if not (size and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and d in (64, 128)
+            and k.dtype == v.dtype == torch.uint8 and k.shape == v.shape and k.dim() == 4 and k.shape[0] == b
+            and k.shape[2] >= column + t and k.shape[3] == d // 32 * size and h % k.shape[1] == 0
+            and q.stride(3) == 1 and k.stride(3) == v.stride(3) == 1 and k.stride(2) == v.stride(2) == k.shape[3]
+            and k.stride()[:2] == v.stride()[:2]):
+        return None
+    if key_offset is not None:
+        if key_offset.shape != (k.shape[1], d) or key_offset.device.type != "cpu":
+            return None
+        key_offset = key_offset.to(torch.float32).contiguous()
+    lib = library()
+    if lib is None:
+        return None
+    if starts is not None:
+        if starts.shape != (b,) or starts.device.type != "cpu":
+            return None
+        starts = starts.to(torch.int64).contiguous()
+    out = torch.empty(b, t, h * d, dtype=q.dtype)
+    status = lib.causal_attention_blocks(
+        int(q.dtype == torch.bfloat16), kv_type, q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
+        v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), key_offset.data_ptr() if key_offset is not None else None,
+        out.data_ptr(), b, h, k.shape[1], t, d, column, starts.data_ptr() if starts is not None else None, scale,
+        torch.get_num_threads())
     if status == -2:
         raise MemoryError("native attention could not allocate its buffers")
     return out if status == 0 else None

@@ -11,6 +11,12 @@
  * dimensions, one key (fp32) or two (bf16: value rows interleaved in pairs of keys) per
  * instruction.
  *
+ * A KV cache of Q8_0 / Q4_0 blocks (--kv-dtype q8_0|q4_0) is read as stored: each kv head's
+ * keys and values are decoded from their blocks straight into the transposed and interleaved
+ * tiles above (no float copy of the cache), to the values the cache's own decode gives
+ * (core/cache.py: d · q in float32, the key offset added, then the model's dtype), so the
+ * result is bit for bit that of this kernel over the decoded copy.
+ *
  * Numerics follow SDPA's CPU kernel: scores and softmax in float32, the 1/sum applied
  * after; in bf16 the probabilities are rounded to bf16 to meet V (accumulated in float32)
  * and the output is rounded to bf16.
@@ -23,6 +29,7 @@
 #include <immintrin.h>
 #endif
 
+#include "qdot.h"
 #include "vec.h"
 
 #ifdef __AVX512BF16__
@@ -47,6 +54,80 @@ static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int6
         const uint16_t *a = v + 2 * m * stride, *b = a + stride;
         for (int64_t c = 0; c < D / 32; c++) {
             const __m512i x = _mm512_loadu_si512(a + 32 * c), y = 2 * m + 1 < n ? _mm512_loadu_si512(b + 32 * c) : zero;
+            vp[m * (D / 16) + 2 * c] = _mm512_unpacklo_epi16(x, y);
+            vp[m * (D / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+    }
+}
+
+/* Row `row` of Q8_0 (kv_type 8: fp16 d + 32 int8) or Q4_0 (2: fp16 d + 16 bytes, byte i holding
+ * values i and i + 16 in its low and high nibble, minus 8) blocks → D floats, d · q exact in
+ * float32, plus off[D] where given (a block cache's key offset). */
+static void decode_blocks(int kv_type, const uint8_t *row, int64_t D, const float *off, float *out) {
+    const int64_t size = kv_type == 8 ? 34 : 18;
+    for (int64_t b = 0; b < D / 32; b++) {
+        const uint8_t *blk = row + b * size;
+        const __m512 d = _mm512_set1_ps(qd_f16(blk));
+        __m128i lo, hi;
+        if (kv_type == 8) {
+            lo = _mm_loadu_si128((const __m128i *)(blk + 2));
+            hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+        } else {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
+            lo = _mm_sub_epi8(_mm_and_si128(x, m), e);
+            hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);
+        }
+        __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+        __m512 c = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+        if (off) {
+            a = _mm512_add_ps(a, _mm512_loadu_ps(off + 32 * b));
+            c = _mm512_add_ps(c, _mm512_loadu_ps(off + 32 * b + 16));
+        }
+        _mm512_storeu_ps(out + 32 * b, a);
+        _mm512_storeu_ps(out + 32 * b + 16, c);
+    }
+}
+
+/* A decoded row in the kernel's element type: float32 as is, or rounded to bf16 (ties to
+ * even, as torch's cast) into the first D halves of `row`. */
+static void to_elements(int bf16, float *row, int64_t D) {
+    if (!bf16) return;
+    uint16_t *h = (uint16_t *)row;
+    for (int64_t i = 0; i < D; i += 16) {
+        const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(_mm512_loadu_ps(row + i))), 16);
+        _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(u));
+    }
+}
+
+/* transpose_keys from blocks: n keys of D values, rows `rb` bytes apart. */
+static void transpose_key_blocks(int bf16, int kv_type, const uint8_t *k, int64_t rb, int64_t n, int64_t D,
+                                 const float *off, uint32_t *kt) {
+    const int64_t units = bf16 ? D / 2 : D;
+    float row[128] __attribute__((aligned(64)));
+    memset(kt, 0, (size_t)(((n + 15) / 16) * units * 16) * sizeof(uint32_t));
+    for (int64_t j = 0; j < n; j++) {
+        decode_blocks(kv_type, k + j * rb, D, off, row);
+        to_elements(bf16, row, D);
+        const uint32_t *w = (const uint32_t *)row;
+        uint32_t *dst = kt + (j / 16) * units * 16 + j % 16;
+        for (int64_t u = 0; u < units; u++) dst[u * 16] = w[u];
+    }
+}
+
+/* interleave_values from blocks (bf16): rows `rb` bytes apart. */
+static void interleave_value_blocks(int kv_type, const uint8_t *v, int64_t rb, int64_t n, int64_t D, __m512i *vp) {
+    float a[128] __attribute__((aligned(64))), b[128] __attribute__((aligned(64)));
+    for (int64_t m = 0; 2 * m < n; m++) {
+        decode_blocks(kv_type, v + 2 * m * rb, D, NULL, a);
+        to_elements(1, a, D);
+        if (2 * m + 1 < n) {
+            decode_blocks(kv_type, v + (2 * m + 1) * rb, D, NULL, b);
+            to_elements(1, b, D);
+        } else {
+            memset(b, 0, sizeof b);
+        }
+        for (int64_t c = 0; c < D / 32; c++) { /* the pair: rows a and b */
+            const __m512i x = _mm512_loadu_si512((const uint16_t *)a + 32 * c), y = _mm512_loadu_si512((const uint16_t *)b + 32 * c);
             vp[m * (D / 16) + 2 * c] = _mm512_unpacklo_epi16(x, y);
             vp[m * (D / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(x, y);
         }
@@ -189,30 +270,39 @@ static inline __attribute__((always_inline)) void query_tile(const int BF, const
 }
 #endif
 
-/* out [B, T, H, D] (q's dtype, contiguous) = causal attention of T new tokens q [B, H, T, D]
- * (element strides qb, qh, qt; dimensions contiguous), after `column` cached ones, over
- * k, v [B, KV, ≥column + T, D] (strides kb, kh; rows D apart): token t sees keys
- * [starts[b], column + t] (starts NULL: from 0; a padding token, before its row's start,
- * sees only itself), query head h reads kv head h / (H / KV); bf16 = 1: bfloat16, 0:
- * float32. Returns 0, or -1 where this build or shape is not supported (the caller then
- * uses SDPA), -2 when out of memory. */
-int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
-                     int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
-                     int64_t column, const int64_t *starts, float scale, int threads) {
+/* The attention below over float rows (kv_type 0: k, v strides kb, kh in elements, rows D
+ * apart) or Q8_0 / Q4_0 blocks (kv_type 8 / 2: strides in bytes, rows rb bytes apart, off
+ * [KV][D] the key offset to add or NULL). */
+static int attention(int bf16, int kv_type, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k,
+                     const void *v, int64_t kb, int64_t kh, int64_t rb, const float *off, void *out, int64_t B,
+                     int64_t H, int64_t KV, int64_t T, int64_t D, int64_t column, const int64_t *starts, float scale,
+                     int threads) {
 #ifdef __AVX512BF16__
     if ((D != 64 && D != 128) || T < 1 || KV < 1 || H % KV || column < 0) return -1;
+    if (kv_type != 0 && kv_type != 8 && kv_type != 2) return -1;
     const int64_t el = bf16 ? 2 : 4, units = bf16 ? D / 2 : D, group = H / KV, N = column + T;
     const int64_t blocks = (N + 15) / 16, padded = blocks * 16, tiles = (T + 3) / 4;
     uint32_t *kt = aligned_alloc(64, (size_t)(blocks * units * 16) * sizeof(uint32_t));
     __m512i *vp = bf16 ? aligned_alloc(64, (size_t)((padded / 2) * (D / 16)) * sizeof(__m512i)) : NULL;
-    if (!kt || (bf16 && !vp)) { free(kt); free(vp); return -2; }
+    float *vf = !bf16 && kv_type ? aligned_alloc(64, (size_t)(N * D) * sizeof(float)) : NULL;
+    if (!kt || (bf16 && !vp) || (!bf16 && kv_type && !vf)) { free(kt); free(vp); free(vf); return -2; }
     int failed = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < KV; g++) {
             const int64_t start = starts ? starts[b] : 0;
-            const char *kg = (const char *)k + (b * kb + g * kh) * el, *vg = (const char *)v + (b * kb + g * kh) * el;
-            transpose_keys((const uint32_t *)kg, units, N, units, kt);
-            if (bf16) interleave_values((const uint16_t *)vg, D, N, D, vp);
+            const void *vg;
+            if (kv_type) {
+                const uint8_t *kg = (const uint8_t *)k + b * kb + g * kh, *vb = (const uint8_t *)v + b * kb + g * kh;
+                transpose_key_blocks(bf16, kv_type, kg, rb, N, D, off ? off + g * D : NULL, kt);
+                if (bf16) interleave_value_blocks(kv_type, vb, rb, N, D, vp);
+                else for (int64_t j = 0; j < N; j++) decode_blocks(kv_type, vb + j * rb, D, NULL, vf + j * D);
+                vg = vf;
+            } else {
+                const char *kg = (const char *)k + (b * kb + g * kh) * el;
+                vg = (const char *)v + (b * kb + g * kh) * el;
+                transpose_keys((const uint32_t *)kg, units, N, units, kt);
+                if (bf16) interleave_values((const uint16_t *)vg, D, N, D, vp);
+            }
             #pragma omp parallel num_threads(threads) reduction(| : failed)
             {
                 const int64_t ss = padded + 16;
@@ -231,14 +321,41 @@ int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt
                 }
                 free(s);
             }
-            if (failed) { free(kt); free(vp); return -2; }
+            if (failed) { free(kt); free(vp); free(vf); return -2; }
         }
     free(kt);
     free(vp);
+    free(vf);
     return 0;
 #else
-    (void)bf16, (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)out, (void)B;
-    (void)H, (void)KV, (void)T, (void)D, (void)column, (void)starts, (void)scale, (void)threads;
+    (void)bf16, (void)kv_type, (void)q, (void)qb, (void)qh, (void)qt, (void)k, (void)v, (void)kb, (void)kh, (void)rb;
+    (void)off, (void)out, (void)B, (void)H, (void)KV, (void)T, (void)D, (void)column, (void)starts, (void)scale;
+    (void)threads;
     return -1;
 #endif
+}
+
+/* out [B, T, H, D] (q's dtype, contiguous) = causal attention of T new tokens q [B, H, T, D]
+ * (element strides qb, qh, qt; dimensions contiguous), after `column` cached ones, over
+ * k, v [B, KV, ≥column + T, D] (strides kb, kh; rows D apart): token t sees keys
+ * [starts[b], column + t] (starts NULL: from 0; a padding token, before its row's start,
+ * sees only itself), query head h reads kv head h / (H / KV); bf16 = 1: bfloat16, 0:
+ * float32. Returns 0, or -1 where this build or shape is not supported (the caller then
+ * uses SDPA), -2 when out of memory. */
+int causal_attention(int bf16, const void *q, int64_t qb, int64_t qh, int64_t qt, const void *k, const void *v,
+                     int64_t kb, int64_t kh, void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
+                     int64_t column, const int64_t *starts, float scale, int threads) {
+    return attention(bf16, 0, q, qb, qh, qt, k, v, kb, kh, 0, NULL, out, B, H, KV, T, D, column, starts, scale,
+                     threads);
+}
+
+/* causal_attention over a block cache's keys and values as stored: k, v [B, KV, ≥column + T,
+ * rb bytes] of Q8_0 (kv_type 8) or Q4_0 (2) blocks, strides kb, kh in bytes; off [KV][D]
+ * float32: the layer's key offset (added to the decoded keys) or NULL. */
+int causal_attention_blocks(int bf16, int kv_type, const void *q, int64_t qb, int64_t qh, int64_t qt,
+                            const void *k, const void *v, int64_t kb, int64_t kh, int64_t rb, const float *off,
+                            void *out, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D, int64_t column,
+                            const int64_t *starts, float scale, int threads) {
+    return attention(bf16, kv_type, q, qb, qh, qt, k, v, kb, kh, rb, off, out, B, H, KV, T, D, column, starts, scale,
+                     threads);
 }
