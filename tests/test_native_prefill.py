@@ -102,21 +102,26 @@ def test_what_it_does_not_read_is_left_to_sdpa():
                                 out.data_ptr(), 1, 2, 2, 8, 64, 0, None, 0.125, 2) == -1
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", ["llama-hd64", "qwen3-hd128"])
-def test_prefill_with_native_attention_tracks_sdpa(model_dirs, family, dtype, monkeypatch):
-    """Whole-model prefill logits (every position) with the kernel and with SDPA."""
-    m = load(str(model_dirs(family)), device="cpu", dtype=dtype)
-    ids = torch.arange(3, 3 + 70).reshape(1, 70)
-    calls = []
-    real = kernels.causal_attention
+def _count_calls(monkeypatch, name: str) -> list[bool]:
+    """kernels.`name` wrapped: each call appends whether the kernel ran (not None)."""
+    calls, real = [], getattr(kernels, name)
 
     def counted(*args):
         out = real(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(kernels, "causal_attention", counted)
+    monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["llama-hd64", "qwen3-hd128"])
+def test_prefill_with_native_attention_tracks_sdpa(model_dirs, family, dtype, monkeypatch):
+    """Whole-model prefill logits (every position) with the kernel and with SDPA."""
+    m = load(str(model_dirs(family)), device="cpu", dtype=dtype)
+    ids = torch.arange(3, 3 + 70).reshape(1, 70)
+    calls = _count_calls(monkeypatch, "causal_attention")
     with torch.inference_mode():
         native = m.model(ids, KVCache(m.config, 1, 80, m.dtype, "cpu"), all_logits=True).float()
         assert calls and all(calls)  # every layer took the kernel
@@ -238,20 +243,13 @@ def test_a_block_prefill_reads_the_blocks_and_gives_the_decoded_logits(model_dir
 
     m = load(str(model_dirs("llama-hd64")), device="cpu", dtype="bfloat16")
     ids = torch.arange(3, 3 + 70).reshape(1, 70)
-    calls = []
-    real = kernels.causal_attention_blocks
-
-    def counted(*args):
-        out = real(*args)
-        calls.append(out is not None)
-        return out
 
     def run():
         cache = KVCache(m.config, 1, 80, m.dtype, "cpu", kv_dtype="q8_0")
         with torch.inference_mode():
             return torch.cat([m.model(ids[:, a:z], cache, all_logits=True) for a, z in ((0, 50), (50, 70))], dim=1)
 
-    monkeypatch.setattr(kernels, "causal_attention_blocks", counted)
+    calls = _count_calls(monkeypatch, "causal_attention_blocks")
     native = run()
     assert calls and all(calls) and len(calls) == 2 * m.config.num_hidden_layers
     monkeypatch.setattr(attention, "attend_blocks", lambda *args: None)  # the decoded copy, as before

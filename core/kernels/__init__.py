@@ -230,18 +230,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
             and h % k.shape[1] == 0 and q.stride(3) == 1 and k.stride(3) == v.stride(3) == 1
             and k.stride(2) == v.stride(2) == d and k.stride()[:2] == v.stride()[:2]):
         return None
+    return _attention(q, starts, lambda lib, out, rows: lib.causal_attention(
+        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
+        v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h, k.shape[1], t, d, column, rows, scale,
+        torch.get_num_threads()))
+
+
+def _attention(q: torch.Tensor, starts: torch.Tensor | None, call) -> torch.Tensor | None:
+    """What both native attentions share: the library, `starts` as prefill.c takes it, the
+    output [B, T, H·D] and the status; `call(lib, out, starts pointer)` runs the kernel."""
     lib = library()
     if lib is None:
         return None
+    b, h, t, d = q.shape
     if starts is not None:
         if starts.shape != (b,) or starts.device.type != "cpu":
             return None
         starts = starts.to(torch.int64).contiguous()
     out = torch.empty(b, t, h * d, dtype=q.dtype)
-    status = lib.causal_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-                                  k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out.data_ptr(), b, h,
-                                  k.shape[1], t, d, column, starts.data_ptr() if starts is not None else None, scale,
-                                  torch.get_num_threads())
+    status = call(lib, out, starts.data_ptr() if starts is not None else None)
     if status == -2:
         raise MemoryError("native attention could not allocate its buffers")
     return out if status == 0 else None
@@ -267,22 +274,10 @@ def causal_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         if key_offset.shape != (k.shape[1], d) or key_offset.device.type != "cpu":
             return None
         key_offset = key_offset.to(torch.float32).contiguous()
-    lib = library()
-    if lib is None:
-        return None
-    if starts is not None:
-        if starts.shape != (b,) or starts.device.type != "cpu":
-            return None
-        starts = starts.to(torch.int64).contiguous()
-    out = torch.empty(b, t, h * d, dtype=q.dtype)
-    status = lib.causal_attention_blocks(
+    return _attention(q, starts, lambda lib, out, rows: lib.causal_attention_blocks(
         int(q.dtype == torch.bfloat16), kv_type, q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
         v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), key_offset.data_ptr() if key_offset is not None else None,
-        out.data_ptr(), b, h, k.shape[1], t, d, column, starts.data_ptr() if starts is not None else None, scale,
-        torch.get_num_threads())
-    if status == -2:
-        raise MemoryError("native attention could not allocate its buffers")
-    return out if status == 0 else None
+        out.data_ptr(), b, h, k.shape[1], t, d, column, rows, scale, torch.get_num_threads()))
 
 
 @torch.library.custom_op("twice::gemv", mutates_args=())
