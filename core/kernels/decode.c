@@ -1254,7 +1254,7 @@ static void attend_group(const Dims *d, const float *q, int64_t group, const voi
 #endif
     for (int64_t h = 0; h < group; h++)
         attend_head_scalar(d, q + h * D, kc, vc, base, n, s + h * stride, out + h * D, m + 2 * h);
-done:
+done: __attribute__((unused)); /* a build without AVX2 has no goto */
     if (!chunk) round_to_dtype(d, out, group * D);
 }
 
