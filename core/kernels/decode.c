@@ -29,7 +29,7 @@
 void gemm(const void *w, const void *x, float *y, int64_t out, int64_t n, int64_t rows, int bf16, int threads);
 int64_t q_act_bytes(int type, int64_t n);
 int q_act_family(int type);
-void q_prepare_rows(int type, const float *x, int64_t n, int64_t rows, void *xq, int threads);
+void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq);
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads);
 void q_dequantize(int type, const void *w, int64_t nrows, int64_t n, float *out, int threads);
@@ -144,12 +144,6 @@ static void add_round(const Dims *d, float *y, const float *t, const void *b, in
     }
 }
 
-/* x = rnd(x + t) over `rows` rows of n (the residual add), the rows shared among threads. */
-static void residual(const Dims *d, float *x, const float *t, int64_t rows, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) add_round(d, x + r * n, t + r * n, NULL, n);
-}
-
 /* x (float32 holding bf16 values) → bf16, n elements. */
 static void narrow(const float *x, uint16_t *out, int64_t n) {
     int64_t i = 0;
@@ -175,14 +169,12 @@ static void linear(const Dims *d, const Weight *w, const void *b, const float *x
             gemm(part->data, d->bf16 ? (const void *)xw : (const void *)x, y, out, n, rows, (int)d->bf16, threads);
         } else {
             const int family = q_act_family((int)part->type);
-            if (family != prepared) q_prepare_rows((int)part->type, x, n, rows, xq, threads);
+            if (family != prepared) q_prepare((int)part->type, x, n, rows, xq);
             prepared = family;
             q_gemm((int)part->type, part->data, part->rows, n, xq, rows, y + row, out, threads);
         }
         row += part->rows;
     }
-    if (!d->bf16 && !b) return;
-    #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) add_round(d, y + r * out, NULL, b, out);
 }
 
@@ -1721,7 +1713,7 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
             for (int64_t r = 0; r < rows; r++) rms_norm(d, t + r * H, L->post_norm, H, t + r * H);
         }
-        residual(d, x, t, rows, H, threads);
+        add_round(d, x, t, NULL, rows * H);
 
         const float *mlp_in = xn;
         if (d->block == BLOCK_POST_NORM) mlp_in = x;
@@ -1740,10 +1732,9 @@ int decode_step(const Dims *d, const Layer *layers, const void *final_norm, cons
             #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
             for (int64_t r = 0; r < rows; r++) rms_norm(d, t + r * H, L->post_ff_norm, H, t + r * H);
         }
-        residual(d, x, t, rows, H, threads);
+        add_round(d, x, t, NULL, rows * H);
     }
     const int64_t wanted = rows - first_logit;
-    #pragma omp parallel for num_threads(threads) if (rows - first_logit > 1) schedule(static)
     for (int64_t r = first_logit; r < rows; r++) rms_norm(d, x + r * H, final_norm, H, xn + r * H);
     if (wanted > 0) linear(d, head, NULL, xn + first_logit * H, H, d->vocab, wanted, logits, xw, xq, threads);
     if (d->final_cap > 0.0f)

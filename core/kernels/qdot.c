@@ -136,16 +136,12 @@ static void prepare_row(int type, const float *x, int64_t n, uint8_t *out) {
     memset(out + n + 36 * nb, 0, q_act_bytes(type, n) - (n + 36 * nb));
 }
 
-/* q_prepare with the rows shared among `threads` (a batched step: each row's blocks are its own). */
-void q_prepare_rows(int type, const float *x, int64_t n, int64_t rows, void *xq, int threads) {
+void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq) {
     type = base_type(type);
     const int64_t xs = q_act_bytes(type, n);
     if (xs < 0) return;
-    #pragma omp parallel for num_threads(threads) if (rows > 1 && threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) prepare_row(type, x + r * n, n, (uint8_t *)xq + r * xs);
 }
-
-void q_prepare(int type, const float *x, int64_t n, int64_t rows, void *xq) { q_prepare_rows(type, x, n, rows, xq, 1); }
 
 /* ---- float weights (F32, F16, BF16) against float32 activations ------------------------ */
 
