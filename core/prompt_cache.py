@@ -135,7 +135,7 @@ def fingerprint(model: torch.nn.Module, tokenizer=None) -> str:
         h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
         owner, _, leaf = name.rpartition(".")
         h.update(_sampled_bytes(t, getattr(modules.get(owner), "stored_bytes", None), leaf))
-    digest = getattr(tokenizer, "digest", None)  # the tokenizer file's, taken as it was read
+    digest = getattr(tokenizer, "digest", None)  # the tokenizer file's, as it was read
     if digest is not None:
         h.update(digest.encode())
     elif (hf := getattr(tokenizer, "hf", None)) is not None:

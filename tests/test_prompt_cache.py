@@ -17,9 +17,10 @@ and context shift (`twice chat --context-shift`).
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -271,6 +272,12 @@ def test_another_models_and_another_dtypes_files_are_refused(model_dirs, tmp_pat
     (other / "tokenizer.json").write_text(json.dumps(spec))
     swapped = _load(other)
     assert fingerprint(swapped.model, swapped.tokenizer) != fingerprint(loaded.model, loaded.tokenizer)
+    # the file is hashed when a fingerprint first asks; changed since it was read, the loaded
+    # pipeline is hashed instead (never the new file's tokenizer, which this model does not run)
+    assert loaded.tokenizer.digest == hashlib.sha256((model_dirs("llama") / "tokenizer.json").read_bytes()).hexdigest()
+    late = _load(other).tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(spec) + " ")
+    assert late.digest == hashlib.sha256(late.hf.to_str().encode()).hexdigest()
 
 
 def test_a_foreign_file_is_never_replaced_and_a_stale_one_is(model_dirs, tmp_path, capsys):

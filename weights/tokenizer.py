@@ -238,6 +238,15 @@ class TextStream:
         return rest
 
 
+def _file_identity(path: Path) -> tuple[int, int, int] | None:
+    """(size, modification time in ns, inode) of a file, None if it cannot be read."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 class Tokenizer:
     def __init__(self, folder: Path, shown_as: Path | None = None):
         self.folder = folder
@@ -248,9 +257,7 @@ class Tokenizer:
         if not path.exists():  # a FIFO or device is refused by read_limited, never opened blocking
             raise TokenizerError(f"{folder}: no tokenizer.json (twice reads fast-tokenizer files only)")
         raw = read_limited(path, MAX_JSON_BYTES, TokenizerError)
-        # What a prompt cache's model fingerprint takes of the tokenizer: its file, hashed as it
-        # is read (a few ms), where serializing the pipeline again would cost tens.
-        self.digest = hashlib.sha256(raw).hexdigest()
+        self._read_as = _file_identity(path)  # for `digest`, hashed only when a prompt cache asks
         try:
             self.hf = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
@@ -267,6 +274,20 @@ class Tokenizer:
             for name in SPECIAL_TOKEN_NAMES
             if (text := _token_text(self.config.get(name))) is not None
         }
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of tokenizer.json as it was read: what a prompt cache's model fingerprint takes
+        of the tokenizer (serializing the pipeline again costs tens of ms; hashing the file, a few,
+        and only runs with a prompt cache ask). The file is read again if it is unchanged since
+        (size, modification time, inode); if it changed, the loaded pipeline's serialization."""
+        path = self.folder / "tokenizer.json"
+        try:
+            if _file_identity(path) == self._read_as:
+                return hashlib.sha256(read_limited(path, MAX_JSON_BYTES, TokenizerError)).hexdigest()
+        except (OSError, TokenizerError):
+            pass
+        return hashlib.sha256(self.hf.to_str().encode()).hexdigest()
 
     # -- basic encode/decode -----------------------------------------------------------
     @property
