@@ -33,7 +33,7 @@ from ..paths import cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "decode.c", "peak.c", "argmax.c", "prefill.c",
                                                              "qdot.c", "qdot_legacy.c", "qdot_kquants.c", "quantize.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h", "qdot.h")]  # part of the build's hash
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "vec.h", "qdot.h", "kvblock.h")]  # part of the build's hash
 _STATE: dict = {}
 
 

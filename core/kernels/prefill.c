@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#include "qdot.h"
+#include "kvblock.h"
 #include "vec.h"
 
 #ifdef __AVX512BF16__
@@ -60,31 +60,18 @@ static void interleave_values(const uint16_t *v, int64_t stride, int64_t n, int6
     }
 }
 
-/* Row `row` of Q8_0 (kv_type 8: fp16 d + 32 int8) or Q4_0 (2: fp16 d + 16 bytes, byte i holding
- * values i and i + 16 in its low and high nibble, minus 8) blocks → D floats, d · q exact in
- * float32, plus off[D] where given (a block cache's key offset). */
+/* Row `row` of Q8_0 (kv_type 8) or Q4_0 (2) blocks → D floats (kvblock.h: d · q exact in
+ * float32), plus off[D] where given (a block cache's key offset). */
 static void decode_blocks(int kv_type, const uint8_t *row, int64_t D, const float *off, float *out) {
-    const int64_t size = kv_type == 8 ? 34 : 18;
-    for (int64_t b = 0; b < D / 32; b++) {
-        const uint8_t *blk = row + b * size;
-        const __m512 d = _mm512_set1_ps(qd_f16(blk));
-        __m128i lo, hi;
-        if (kv_type == 8) {
-            lo = _mm_loadu_si128((const __m128i *)(blk + 2));
-            hi = _mm_loadu_si128((const __m128i *)(blk + 18));
-        } else {
-            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15), e = _mm_set1_epi8(8);
-            lo = _mm_sub_epi8(_mm_and_si128(x, m), e);
-            hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e);
-        }
-        __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-        __m512 c = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    for (int64_t i = 0; i < D; i += 32) {
+        __m512 a, c;
+        row = widen_block16(kv_type == 8, row, &a, &c);
         if (off) {
-            a = _mm512_add_ps(a, _mm512_loadu_ps(off + 32 * b));
-            c = _mm512_add_ps(c, _mm512_loadu_ps(off + 32 * b + 16));
+            a = _mm512_add_ps(a, _mm512_loadu_ps(off + i));
+            c = _mm512_add_ps(c, _mm512_loadu_ps(off + i + 16));
         }
-        _mm512_storeu_ps(out + 32 * b, a);
-        _mm512_storeu_ps(out + 32 * b + 16, c);
+        _mm512_storeu_ps(out + i, a);
+        _mm512_storeu_ps(out + i + 16, c);
     }
 }
 
