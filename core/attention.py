@@ -184,16 +184,14 @@ class CachedSelfAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache, rope=None) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
-        mask = step.masks[self.window]
-        if getattr(cache, "quantized", False):
-            if (bias := key_bias(self)) is not None:
-                cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
-            cache.store(self.layer, step.column, k, v)
-            end = step.column + k.shape[2]
-            out = None if self.softcap is not None else attend_blocks(q, cache, self.layer, end, mask, self.scale)
-            if out is None:
-                out = attend(q, *cache.attended(self.layer, end, q.dtype), mask, self.scale, self.softcap)
-        else:
-            keys, values = cache.write(self.layer, step.column, k, v)
-            out = attend(q, keys, values, mask, self.scale, self.softcap)
+        mask, end = step.masks[self.window], step.column + k.shape[2]
+        blocks = getattr(cache, "quantized", False)
+        if blocks and (bias := key_bias(self)) is not None:
+            cache.offset_keys(*bias)  # block caches store keys minus the key bias (core/cache.py)
+        cache.store(self.layer, step.column, k, v)
+        # a block cache's blocks read as stored where the native kernel applies, else the
+        # columns in use as values (views of a float cache, a decoded copy of blocks)
+        out = attend_blocks(q, cache, self.layer, end, mask, self.scale) if blocks and self.softcap is None else None
+        if out is None:
+            out = attend(q, *cache.attended(self.layer, end, q.dtype), mask, self.scale, self.softcap)
         return self.o_proj(out)
