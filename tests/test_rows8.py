@@ -96,7 +96,7 @@ def test_x8_tile_is_the_scalar_reference_bit_for_bit(name):
     and one-sign activation blocks (Q8_0's w + 128 offset, Q4_0/Q5_0's offsets at their extremes)."""
     if "fma" not in cpu_flags():
         pytest.skip("the reference rounds as the tile only where the build has FMA")
-    c, data, x = _case(name, 24, 6, 11, seed=90 + TYPES.index(name))
+    c, data, x = _case(name, 40, 6, 19, seed=90 + TYPES.index(name))
     x[0, :32] = 0.0
     x[1, 32:64] = 1.0
     x[2, 64:96] = -torch.arange(32.0)

@@ -236,7 +236,8 @@ static qtile_fn tile_for(int type, int reference) {
 
 /* The two-group tile of an x8 type where the build has one (NULL: one group per tile). */
 static qtile_fn pair_tile_for(int type) {
-    return is_x8(type) && is_kquant(base_type(type)) ? twq_kx8_pair_tile(base_type(type)) : 0;
+    if (!is_x8(type)) return 0;
+    return is_kquant(base_type(type)) ? twq_kx8_pair_tile(base_type(type)) : twq_x8_pair_tile(base_type(type));
 }
 
 /* The most activation rows one SIMD tile call of this type takes (x8 types: 4, 8 or 16, else 4). */

@@ -132,6 +132,16 @@ static inline __m256i qd_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* acc + u (u8 weights) · the 4 signed bytes at p in every lane: dpbusd with its broadcast
+ * memory operand (GCC otherwise broadcasts into a register first: one more operation a
+ * dpbusd, where the 16-lane tiles are bound by operations, not by the products). */
+static inline __m512i qd_dpbusd_bcast(__m512i acc, __m512i u, const void *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+#endif
+
 #ifdef __AVX512F__
 /* Integer lane sums of two vectors, per 128-bit block (the 512-bit x8 tiles): pairs, the
  * adjacent lanes (0+1, 2+3) of s then of t; halves, lanes 0+2 and 1+3 of s then of t. */
@@ -167,6 +177,7 @@ int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
 /* x8 (`type`: the 32-value type's own id): tiles of 8 weight rows (a group) × 1–4 activation
  * rows, y[r·ldy + i] for i < 8; row i of a group → float32 (the type's dequantized values). */
 qtile_fn twq_x8_tile(int type, int reference);
+qtile_fn twq_x8_pair_tile(int type); /* two groups (16 weight rows) a call, or NULL */
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_x8_tile_rows(int type); /* the most activation rows an x8 tile of this 32-value type takes: 4 or 8 */
 int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);

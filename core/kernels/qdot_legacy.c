@@ -612,6 +612,74 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
     }
     qd_store_row_pairs(acc, NR / 2, y, ldy);
 }
+
+/* Two consecutive groups (16 weight rows) in 512-bit vectors: lane i weight row i of the
+ * first group, lane 8 + i of the second, so every lane holds one weight row's run and an
+ * activation's 4 bytes meet all 16 lanes as dpbusd's broadcast memory operand (no broadcast
+ * of its own, no lane sums after it): per activation row and block one chain of dpbusds, one
+ * conversion and one fused multiply-add for 16 weight rows. The weights are unpacked once per
+ * block for all NR activation rows (16 or 8). The integers and float steps of tile_x8 and
+ * the reference: the same bits. */
+static inline __attribute__((always_inline)) void tile_x8x2_zmm(const int T, const int NR, const uint8_t *w,
+                                                                const uint8_t *x, int64_t xs, int64_t n, float *y,
+                                                                int64_t ldy) {
+    X8_LAYOUT(T);
+    const int64_t nb = n / QK, second = nb * B; /* the second group: 8 rows after the first */
+    const int runs = T == QT_Q8_0 ? 8 : 4;
+    __m512 acc[16];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * B, *blk2 = blk + second;
+        for (int l = 0; l < B; l += 64) { /* the next pair of groups, block by block */
+            _mm_prefetch((const char *)blk + 2 * second + l, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk2 + 2 * second + l, _MM_HINT_T0);
+        }
+        __m512i W[8]; /* the weights meeting activation bytes 4c..4c+3 of the block (4-bit: run c's
+                       * low nibbles are values 4c.., its high ones 16 + 4c..) */
+        for (int c = 0; c < runs; c++) {
+            const __m512i raw = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + q_at + 32 * c))),
+                _mm256_loadu_si256((const __m256i *)(blk2 + q_at + 32 * c)), 1);
+            if (T == QT_Q8_0) {
+                W[c] = _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
+            } else {
+                const __m512i low = _mm512_set1_epi8(0x0f);
+                W[c] = _mm512_and_si512(raw, low);
+                W[4 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        }
+        if (five) { /* each lane's 5th bits: values 4c.. (low nibbles) and 16 + 4c.. (high) */
+            const __m512i qh = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + qh_at))),
+                _mm256_loadu_si256((const __m256i *)(blk2 + qh_at)), 1);
+            const __m512i bit4 = _mm512_set1_epi8(0x10);
+            for (int c = 0; c < 8; c++)
+                W[c] = _mm512_mask_add_epi8(W[c], _mm512_bitshuffle_epi64_mask(qh, _mm512_set1_epi64(x8_bit_selector(4 * c))),
+                                            W[c], bit4);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)blk)), _mm_loadu_si128((const __m128i *)blk2), 1));
+        const __m512 mw = has_min ? _mm512_cvtph_ps(_mm256_inserti128_si256(
+                                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 16))),
+                                        _mm_loadu_si128((const __m128i *)(blk2 + 16)), 1))
+                                  : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *xr = x + r * xs, *xb = xr + b * QK;
+            const int32_t *off = LEGACY_OFF(xr, n) + 2 * b;
+            __m512i s;
+            if (has_off) s = _mm512_set1_epi32(off[T == QT_Q5_0]);
+            else if (T == QT_Q8_0) s = _mm512_set1_epi32(off[1] * 8);
+            else s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) s = qd_dpbusd_bcast(s, W[c], xb + 4 * c);
+            const float *dx = LEGACY_DX(xr, n) + 2 * b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[0])), _mm512_cvtepi32_ps(s), acc[r]);
+            if (has_min) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx[1]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
 #endif
 #else
 static inline __attribute__((always_inline)) void tile_x8(const int T, const int NR, const uint8_t *w,
@@ -732,6 +800,42 @@ AVX2_X8_TILE(QT_Q5_0, avx2_x8_q5_0)
 AVX2_X8_TILE(QT_Q5_1, avx2_x8_q5_1)
 AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
 #endif
+
+#ifdef X8_ZMM
+/* Two groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows: 16 and 8 in
+ * the two-group tile, the rest by the one-group tile for each group. */
+#define ZMM_X8X2_TILE(T, NAME, ONE)                                                                   \
+    static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
+                     int64_t ldy) {                                                                  \
+        if (nr >= 16) { tile_x8x2_zmm(T, 16, w, x, xs, n, y, ldy); return; }                         \
+        if (nr >= 8) { tile_x8x2_zmm(T, 8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; } \
+        if (nr) {                                                                                    \
+            ONE(nr, w, x, xs, n, y, ldy);                                                            \
+            ONE(nr, w + n / QK * 8 * legacy_size(T), x, xs, n, y + 8, ldy);                           \
+        }                                                                                            \
+    }
+ZMM_X8X2_TILE(QT_Q4_0, zmm_x8x2_q4_0, avx2_x8_q4_0)
+ZMM_X8X2_TILE(QT_Q4_1, zmm_x8x2_q4_1, avx2_x8_q4_1)
+ZMM_X8X2_TILE(QT_Q5_0, zmm_x8x2_q5_0, avx2_x8_q5_0)
+ZMM_X8X2_TILE(QT_Q5_1, zmm_x8x2_q5_1, avx2_x8_q5_1)
+ZMM_X8X2_TILE(QT_Q8_0, zmm_x8x2_q8_0, avx2_x8_q8_0)
+#endif
+
+/* A tile of two consecutive groups (16 weight rows) where this build has one, else NULL
+ * (q_gemm then runs the one-group tile per group). */
+qtile_fn twq_x8_pair_tile(int type) {
+#ifdef X8_ZMM
+    switch (type) {
+    case QT_Q4_0: return zmm_x8x2_q4_0;
+    case QT_Q4_1: return zmm_x8x2_q4_1;
+    case QT_Q5_0: return zmm_x8x2_q5_0;
+    case QT_Q5_1: return zmm_x8x2_q5_1;
+    case QT_Q8_0: return zmm_x8x2_q8_0;
+    }
+#endif
+    (void)type;
+    return 0;
+}
 
 /* The most activation rows one x8 tile call of a 32-value type takes: 16 with 512-bit VNNI
  * (tile_x8_zmm: a block's weights unpacked once for 16 rows), 8 with 256-bit VNNI, else 4. */
