@@ -466,6 +466,21 @@ static void ref_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
 }
 
 #ifdef __AVX2__
+/* A Q4_K x8 super-block's 8 rows' scales and mins, 6 bits each from its 12 packed bytes
+ * (byte-major at 32..127: A, B, C): sm[8k + i], mn[8k + i] row i's of sub-block k. */
+static inline void kx8_scales_mins(const uint8_t *blk, uint8_t sm[64], uint8_t mn[64]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30);
+    const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
+    const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
+    const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
+    _mm256_storeu_si256((__m256i *)sm, _mm256_and_si256(A, m63));
+    _mm256_storeu_si256((__m256i *)(sm + 32), _mm256_or_si256(_mm256_and_si256(C, low),
+                                                              _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+    _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+    _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                              _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+}
+
 /* G (1 or 2) consecutive groups of 8 weight rows × NR activation rows: with G = 2 each
  * activation broadcast feeds two groups' dot products (half the shuffles per multiply,
  * which bound the one-group tile); every (weight row, activation row) pair goes through
@@ -474,7 +489,7 @@ static inline __attribute__((always_inline)) void tile_kx8(const int G, const in
                                                            const uint8_t *x, int64_t xs, int64_t n, float *y,
                                                            int64_t ldy) {
     const int64_t nb = n / QKK, gs = nb * KX8_B; /* gs: a group's bytes */
-    const __m256i low = _mm256_set1_epi8(0x0f), m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[2][4];
     for (int g = 0; g < G; g++) for (int r = 0; r < NR; r++) acc[g][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -483,16 +498,7 @@ static inline __attribute__((always_inline)) void tile_kx8(const int G, const in
         for (int g = 0; g < G; g++) {
             const uint8_t *blk = w + g * gs + b * KX8_B;
             for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
-            /* the 8 rows' scales and mins, byte [8k + i] = row i's of sub-block k (4k..: A, B, C) */
-            const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
-            const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
-            const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
-            _mm256_storeu_si256((__m256i *)sm[g], _mm256_and_si256(A, m63));
-            _mm256_storeu_si256((__m256i *)(sm[g] + 32), _mm256_or_si256(_mm256_and_si256(C, low),
-                                                                         _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
-            _mm256_storeu_si256((__m256i *)mn[g], _mm256_and_si256(B, m63));
-            _mm256_storeu_si256((__m256i *)(mn[g] + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
-                                                                         _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+            kx8_scales_mins(blk, sm[g], mn[g]);
             for (int r = 0; r < NR; r++) isum[g][r] = imin[g][r] = _mm256_setzero_si256();
         }
         /* mins: int32 lane i = mn_i[2k] | mn_i[2k+1] << 16, against (bsum32[2k], bsum32[2k+1]) */
@@ -579,24 +585,13 @@ static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, con
     const __m512i runs = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     const __m512i pairs = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi8(0x0f);
     __m512 acc[8]; /* activation rows 2p, 2p+1 */
     for (int p = 0; p < NR / 2; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * KX8_B;
         for (int l = 0; l < KX8_B; l += 64) _mm_prefetch((const char *)blk + QD_PREFETCH + l, _MM_HINT_T0);
         uint8_t sm[64], mn[64]; /* scales of sub-blocks 0..7, then mins: byte 8k + i row i's of sub-block k */
-        {
-            const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 32));
-            const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64));
-            const __m256i C = _mm256_loadu_si256((const __m256i *)(blk + 96));
-            _mm256_storeu_si256((__m256i *)sm, _mm256_and_si256(A, m63));
-            _mm256_storeu_si256((__m256i *)(sm + 32), _mm256_or_si256(_mm256_and_si256(C, low8),
-                                                                      _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
-            _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(B, m63));
-            _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low8),
-                                                                      _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
-        }
+        kx8_scales_mins(blk, sm, mn);
         /* per sub-block pair k: int32 lanes 4j.. = the scales of sub-block 2k, rows 2j, 2j+1, then
          * of sub-block 2k+1 (the layout of a row's summed lanes below) */
         __m512i sc[4], mp[4];
@@ -660,6 +655,80 @@ static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, con
         }
     }
     qd_store_row_pairs(acc, NR / 2, y, ldy);
+}
+#endif
+
+#ifdef KX8_ZMM
+/* Q4_K's two consecutive groups (16 weight rows) in 512-bit vectors: lane i weight row i of
+ * the first group, lane 8 + i of the second, so every lane is one weight row's run and an
+ * activation's 4 bytes meet all 16 lanes as dpbusd's broadcast memory operand (no broadcast
+ * of its own, no lane sums): per activation row and sub-block one chain of 8 dpbusds and one
+ * multiply by the 16 rows' scales. A sub-block's weights are unpacked once for all NR rows
+ * (16 or 8). The integers and float steps of tile_kx8 and the reference: the same bits. */
+static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, const uint8_t *w, const uint8_t *x,
+                                                                 int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK, second = nb * KX8_B;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[16];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_B, *blk2 = blk + second;
+        for (int l = 0; l < KX8_B; l += 64) { /* the next pair of groups, super-block by super-block */
+            _mm_prefetch((const char *)blk + 2 * second + l, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk2 + 2 * second + l, _MM_HINT_T0);
+        }
+        uint8_t sm[2][64], mn[2][64];
+        kx8_scales_mins(blk, sm[0], mn[0]);
+        kx8_scales_mins(blk2, sm[1], mn[1]);
+        __m512i isum[16];
+        for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int sb = 0; sb < 8; sb++) { /* sub-block sb: the low (even) or high (odd) nibbles of runs 8(sb/2).. */
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sm[0] + 8 * sb)),
+                                                                       _mm_loadl_epi64((const __m128i *)(sm[1] + 8 * sb))));
+            __m512i W[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int at = 128 + 32 * (8 * (sb / 2) + j);
+                const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + at))),
+                                                       _mm256_loadu_si256((const __m256i *)(blk2 + at)), 1);
+                W[j] = _mm512_and_si512(sb % 2 ? _mm512_srli_epi16(raw, 4) : raw, low);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *xb = x + r * xs + b * QKK + 32 * sb;
+                __m512i t = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) t = qd_dpbusd_bcast(t, W[j], xb + 4 * j);
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(t, sc));
+            }
+        }
+        /* mins: int32 lane i = mn_i[2k] | mn_i[2k+1] << 16, against (bsum32[2k], bsum32[2k+1]) */
+        __m512i mp[4];
+        for (int k = 0; k < 4; k++) {
+            const __m128i a = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(mn[0] + 16 * k)),
+                                                 _mm_loadl_epi64((const __m128i *)(mn[1] + 16 * k)));
+            const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(mn[0] + 16 * k + 8)),
+                                                 _mm_loadl_epi64((const __m128i *)(mn[1] + 16 * k + 8)));
+            mp[k] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)blk)), _mm_loadu_si128((const __m128i *)blk2), 1));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 16))), _mm_loadu_si128((const __m128i *)(blk2 + 16)), 1));
+        for (int r = 0; r < NR; r++) {
+            __m512i imin = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const int16_t *bs = K_BSUMS(x + r * xs, n) + 16 * b + 4 * k;
+                const uint32_t word = (uint16_t)(bs[0] + bs[1]) | (uint32_t)(uint16_t)(bs[2] + bs[3]) << 16;
+                imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mp[k], _mm512_set1_epi32((int)word)));
+            }
+            const __m512 dx = _mm512_set1_ps(K_D(x + r * xs, n)[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, mw), _mm512_cvtepi32_ps(imin), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 #endif
 
@@ -910,6 +979,19 @@ static void wide_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
 }
 #endif
 
+#ifdef KX8_ZMM
+/* Two Q4_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows: 16 and
+ * 8 in the two-group tile, the rest by the one-group tiles for each group. */
+static void zmm_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    if (nr >= 16) { tile_kx8x2_zmm(16, w, x, xs, n, y, ldy); return; }
+    if (nr >= 8) { tile_kx8x2_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
+    if (nr) {
+        wide_kx8_q4_k(nr, w, x, xs, n, y, ldy);
+        wide_kx8_q4_k(nr, w + n / QKK * KX8_B, x, xs, n, y + 8, ldy);
+    }
+}
+#endif
+
 /* The x8 tiles of a K type (`type`: its own id; Q4_K, Q6_K): 8 weight rows × 1–4 activation
  * rows, y[r·ldy + i] for i < 8. */
 qtile_fn twq_kx8_tile(int type, int reference) {
@@ -928,7 +1010,9 @@ qtile_fn twq_kx8_tile(int type, int reference) {
  * (q_gemm then runs the one-group tile per group). */
 qtile_fn twq_kx8_pair_tile(int type) {
 #ifdef __AVX2__
-#ifndef KX8_ZMM
+#ifdef KX8_ZMM
+    if (type == QT_Q4_K) return zmm_kx8x2_q4_k;
+#else
     if (type == QT_Q4_K) return avx2_kx8x2_q4_k;
 #endif
 #endif
