@@ -673,10 +673,6 @@ static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, c
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * KX8_B, *blk2 = blk + second;
-        for (int l = 0; l < KX8_B; l += 64) { /* the next pair of groups, super-block by super-block */
-            _mm_prefetch((const char *)blk + 2 * second + l, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk2 + 2 * second + l, _MM_HINT_T0);
-        }
         uint8_t sm[2][64], mn[2][64];
         kx8_scales_mins(blk, sm[0], mn[0]);
         kx8_scales_mins(blk2, sm[1], mn[1]);
@@ -684,6 +680,8 @@ static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, c
         for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
         for (int sb = 0; sb < 8; sb++) { /* sub-block sb: the low (even) or high (odd) nibbles of runs 8(sb/2).. */
+            QD_PREFETCH_PART(blk + 2 * second, KX8_B, sb, 8); /* the next pair of groups' super-block */
+            QD_PREFETCH_PART(blk2 + 2 * second, KX8_B, sb, 8);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sm[0] + 8 * sb)),
                                                                        _mm_loadl_epi64((const __m128i *)(sm[1] + 8 * sb))));
             __m512i W[8];
