@@ -206,7 +206,8 @@ class _Blocks(torch.nn.Module):
         done = 0
         for i, c in enumerate(self.codecs):
             buffer = getattr(self, f"blocks{i}")
-            if buffer.device.type != "cpu" or not buffer.is_contiguous() or not x8.eligible(c, buffer.shape[0]):
+            if (buffer.device.type != "cpu" or not buffer.is_contiguous() or not x8.eligible(c, buffer.shape[0])
+                    or not kernels.x8_at_load(c.ggml_type)):
                 continue
             with torch.no_grad():  # natively (a group's temporary), else by torch (one tensor's temporary)
                 if not kernels.interleave_rows(buffer, c.ggml_type, self.in_features):
@@ -286,7 +287,8 @@ def interleave_weights(model: torch.nn.Module) -> int:
         return 0
     skip = {id(m) for e in model.modules() if isinstance(e, Experts) for m in e.modules()}
     todo = [m for m in model.modules() if isinstance(m, _Blocks) and id(m) not in skip
-            and any(x8.eligible(c, getattr(m, f"blocks{i}").shape[0]) and getattr(m, f"blocks{i}").device.type == "cpu"
+            and any(x8.eligible(c, getattr(m, f"blocks{i}").shape[0]) and kernels.x8_at_load(c.ggml_type)
+                    and getattr(m, f"blocks{i}").device.type == "cpu"
                     for i, c in enumerate(m.codecs))]
     if not todo or not kernels.available():
         return 0

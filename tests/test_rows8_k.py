@@ -103,7 +103,7 @@ def test_rows_not_a_multiple_of_8_stay_as_stored(name):
     a BlockWeight of an x8 part and a part as stored multiplies and dequantizes as stored."""
     codec = quant.codec(name)
     xt = codec.ggml_type + x8.X8
-    assert not x8.eligible(codec, 12) and x8.eligible(codec, 16) == (name not in x8.NOT_AT_LOAD)
+    assert not x8.eligible(codec, 12) and x8.eligible(codec, 16)
     data, x = _case(12, 2, 3, seed=3, name=name)
     with pytest.raises(ValueError, match="whole groups of 8"):
         kernels.quant_matmul(x, data, xt)
@@ -133,17 +133,33 @@ def wide_llama(tmp_path_factory, tokenizer):
     return folder
 
 
+def test_the_kernels_declare_which_layouts_loading_applies():
+    """Loading interleaves what the library says its tiles read at least as fast at every batch:
+    the 32-value types and Q4_K wherever the kernels build, Q6_K only with the 512-bit two-group
+    tile (AVX-512 VNNI), no type without an x8 layout."""
+    flags = cpu_flags()
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"):
+        assert kernels.x8_at_load(quant.codec(name).ggml_type), name
+    zmm = {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    assert kernels.x8_at_load(quant.codec("Q6_K").ggml_type) == zmm
+    assert not kernels.x8_at_load(quant.codec("Q5_K").ggml_type)
+
+
 @pytest.mark.slow  # makes and quantizes a model (seconds)
-def test_a_q4_k_model_native_step_tracks_the_rows_as_stored(wide_llama, monkeypatch):
-    """load(weights="q4_k") interleaves every Q4_K part; the native step stays available, tracks
-    the eager decode of the same model, and its greedy tokens are TWICE_INTERLEAVE=0's."""
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_a_k_model_native_step_tracks_the_rows_as_stored(wide_llama, monkeypatch, kind):
+    """load(weights=KIND) interleaves every part the kernels take interleaved at load; the
+    native step stays available, tracks the eager decode of the same model, and its greedy
+    tokens are TWICE_INTERLEAVE=0's."""
+    name = kind.upper()
     monkeypatch.setenv("TWICE_INTERLEAVE", "0")
-    stored = load(str(wide_llama), device="cpu", dtype="float32", weights="q4_k")
+    stored = load(str(wide_llama), device="cpu", dtype="float32", weights=kind)
     monkeypatch.setenv("TWICE_INTERLEAVE", "1")
-    m = load(str(wide_llama), device="cpu", dtype="float32", weights="q4_k")
+    m = load(str(wide_llama), device="cpu", dtype="float32", weights=kind)
     layouts = {(c.name, c.rows_per_group) for _, mod in m.model.named_modules() if isinstance(mod, _Blocks)
                for c in mod.codecs}
-    assert ("Q4_K", 8) in layouts and ("Q4_K", 1) not in layouts, layouts
+    at_load = kernels.x8_at_load(quant.codec(name).ggml_type)
+    assert ((name, 8) in layouts) == at_load and ((name, 1) in layouts) == (not at_load), layouts
     assert all(c.rows_per_group == 1 for mod in stored.model.modules() if isinstance(mod, _Blocks) for c in mod.codecs)
     assert supported(m.model) and supported(stored.model)
     (x8_tokens, x8_last), (stored_tokens, stored_last) = native_greedy(m), native_greedy(stored)
@@ -164,6 +180,9 @@ def test_older_builds_compute_the_same():
     if {"avx2", "fma", "f16c"} <= cpu_flags():
         v3 = kernels._build(march="x86-64-v3")
         assert v3 is not None and v3.q_gemm_simd(X8_TYPE)
+        # without the 512-bit two-group tile, Q6_K's rows stay as stored at load; Q4_K's do not
+        assert kernels.x8_at_load(quant.codec("Q4_K").ggml_type, lib=v3)
+        assert not kernels.x8_at_load(quant.codec("Q6_K").ggml_type, lib=v3)
         for rows in (1, 2, 3, 4, 7):
             assert torch.equal(kernels.quant_matmul(x[:rows], il, X8_TYPE, lib=v3), mine[:rows]), rows
     v2 = kernels._build(march="x86-64-v2")

@@ -111,6 +111,8 @@ def _build(march: str = "native", source_dir: Path | None = None) -> ctypes.CDLL
         getattr(handle, name).argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, ctypes.c_int]
     handle.q_gemm_simd.restype = ctypes.c_int
     handle.q_gemm_simd.argtypes = [ctypes.c_int]
+    handle.q_x8_at_load.restype = ctypes.c_int
+    handle.q_x8_at_load.argtypes = [ctypes.c_int]
     handle.q_dequantize.restype = None
     handle.q_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p, ctypes.c_int]
     handle.q_dequantize_at.restype = None
@@ -360,6 +362,15 @@ def dequantize_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None, sta
         lib.q_dequantize_at(int(ggml_type), data.data_ptr(), start, stop - start, n, y.data_ptr(),
                             torch.get_num_threads())
     return y
+
+
+def x8_at_load(ggml_type: int, *, lib=None) -> bool:
+    """Whether loading should rewrite a part of `ggml_type` (as stored) into its interleaved
+    8-row layout: the library declares it where its tiles read that layout at least as fast as
+    the rows as stored at every batch (Q6_K only with the 512-bit two-group tile). False where
+    the kernels did not build."""
+    lib = lib or library()
+    return lib is not None and bool(lib.q_x8_at_load(int(ggml_type)))
 
 
 def interleave_rows(data: torch.Tensor, ggml_type: int, n: int, *, lib=None) -> bool:

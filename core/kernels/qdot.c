@@ -255,9 +255,9 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int step, int type, const void
     if (is_x8(type)) { /* a tile computes a group of 8 weight rows (out is whole groups), or two */
         /* Two groups per tile share each activation broadcast (1.1-1.2x at 16 rows), but at a
          * few rows, where the weights stream from memory, two interleaved streams read slower
-         * (0.5-0.7x at 1-4 rows of 8960x1536, Zen 4): pairs from 8 rows on. Either tile gives
-         * a row the same bits. */
-        if (rows < 8) pair = 0;
+         * (0.5-0.7x at 1-4 rows of 8960x1536, Zen 4): pairs from 8 rows on (Q6_K's 512-bit
+         * tile from 1: twq_kx8_pair_from). Either tile gives a row the same bits. */
+        if (rows < (is_kquant(base_type(type)) ? twq_kx8_pair_from(base_type(type)) : 8)) pair = 0;
         const int64_t groups = out / 8, units = pair ? (groups + 1) / 2 : groups;
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; u++) {
@@ -282,6 +282,13 @@ void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int
 void q_gemm_reference(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y,
                       int64_t ldy, int threads) {
     gemm_with(tile_for(type, 1), 0, 4, type, w, out, n, xq, rows, y, ldy, threads);
+}
+
+/* 1 where loading should rewrite this type's rows into its x8 layout (this build's tiles read
+ * it at least as fast at every batch), 0 where they stay as stored (or it has no layout). */
+int q_x8_at_load(int type) {
+    if (!is_x8_able(type)) return 0;
+    return is_kquant(type) ? twq_kx8_at_load(type) : 1;
 }
 
 /* 1 where q_gemm runs SIMD code for this type in this build (0: the scalar reference). */

@@ -54,10 +54,10 @@ typedef void (*qtile_fn)(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
  * inline function's loop inside the unrolled tiles): its cache lines spread over the loop through
  * the block, a few at each step (a block's 27-54 prefetches in one burst at its start stalled
  * the loads queued behind them: Q6_K's x8 tiles streamed at half the rows-as-stored speed). */
-#define QD_PREFETCH_PART(p, bytes, part, parts)                                                       \
+#define QD_PREFETCH_PART(p, bytes, part, parts, hint)                                                 \
     for (int l_ = (part) * (((bytes) + 64 * (parts) - 1) / (64 * (parts)) * 64);                          \
          l_ < ((part) + 1) * (((bytes) + 64 * (parts) - 1) / (64 * (parts)) * 64) && l_ < (bytes); l_ += 64) \
-        _mm_prefetch((const char *)(p) + l_, _MM_HINT_T0)
+        _mm_prefetch((const char *)(p) + l_, hint)
 
 /* Keeps the compiler from fusing a product into the following add (dequantize must round
  * the product first, as the reference does). */
@@ -198,6 +198,8 @@ qtile_fn twq_kx8_tile(int type, int reference);
  * for bit the one-group tile's; NULL where the build has none for the type. */
 qtile_fn twq_kx8_pair_tile(int type);
 int twq_kx8_tile_rows(int type); /* the most activation rows an x8 tile of this K type takes: 4 or 16 */
+int twq_kx8_pair_from(int type); /* the fewest activation rows given to its two-group tile */
+int twq_kx8_at_load(int type);   /* whether loading interleaves it */
 int twq_kx8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_kx8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);
 #endif

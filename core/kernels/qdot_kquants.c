@@ -680,8 +680,8 @@ static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, c
         for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
         for (int sb = 0; sb < 8; sb++) { /* sub-block sb: the low (even) or high (odd) nibbles of runs 8(sb/2).. */
-            QD_PREFETCH_PART(blk + 2 * second, KX8_B, sb, 8); /* the next pair of groups' super-block */
-            QD_PREFETCH_PART(blk2 + 2 * second, KX8_B, sb, 8);
+            QD_PREFETCH_PART(blk + 2 * second, KX8_B, sb, 8, _MM_HINT_T0); /* the next pair of groups' super-block */
+            QD_PREFETCH_PART(blk2 + 2 * second, KX8_B, sb, 8, _MM_HINT_T0);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sm[0] + 8 * sb)),
                                                                        _mm_loadl_epi64((const __m128i *)(sm[1] + 8 * sb))));
             __m512i W[8];
@@ -938,6 +938,87 @@ static inline __attribute__((always_inline)) void tile_kx8_q6_zmm(const int NR, 
 #endif
 
 #ifdef KX8_ZMM
+/* Q6_K's two consecutive groups (16 weight rows) in 512-bit vectors, as tile_kx8x2_zmm: lane i
+ * weight row i of the first group, lane 8 + i of the second; a run's 6-bit values (its ql
+ * nibbles with two qh bits each, one ternary logic) meet an activation's 4 bytes as dpbusd's
+ * broadcast operand; per activation row and 16-value sub-block one chain of 4 dpbusds and one
+ * multiply by the 16 rows' scales; the −32 offset (32·Σ sc·bsum) once per super-block. The
+ * integers and float steps of tile_kx8_q6 and the reference: the same bits. */
+static inline __attribute__((always_inline)) void tile_kx8x2_q6_zmm(const int NR, const uint8_t *w, const uint8_t *x,
+                                                                    int64_t xs, int64_t n, float *y, int64_t ldy) {
+    const int64_t nb = n / QKK, second = nb * KX8_Q6;
+    const __m512i low = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[16];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * KX8_Q6, *blk2 = blk + second;
+        __m512i isum[16];
+        for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int q = 0; q < 8; q++) { /* ql runs 16h + 8p.. (q = 4h + 2p + nib): their low (nib 0) or high nibbles */
+            const int h = q / 4, p = q / 2 % 2, nib = q % 2;
+            /* the next pair of groups' super-block, a few lines a step, into L2: prefetches into L1
+             * hold its miss buffers until filled, and at one row (the weights streaming from
+             * memory) that halved the read speed; into L2 the tile reads at or above the rows
+             * as stored from one row on */
+            QD_PREFETCH_PART(blk + 2 * second, KX8_Q6, q, 8, _MM_HINT_T1);
+            QD_PREFETCH_PART(blk2 + 2 * second, KX8_Q6, q, 8, _MM_HINT_T1);
+            __m512i W[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int at = KX8_Q6_QL + 32 * (16 * h + 8 * p + j), hat = KX8_Q6_QH + 32 * (8 * h + j);
+                const __m512i ql = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + at))),
+                                                      _mm256_loadu_si256((const __m256i *)(blk2 + at)), 1);
+                const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + hat))),
+                                                      _mm256_loadu_si256((const __m256i *)(blk2 + hat)), 1);
+                const __m512i hb = nib ? (p ? _mm512_srli_epi16(qh, 2) : qh) : (p ? _mm512_slli_epi16(qh, 2) : _mm512_slli_epi16(qh, 4));
+                W[j] = _mm512_ternarylogic_epi32(_mm512_and_si512(nib ? _mm512_srli_epi16(ql, 4) : ql, low), hb, m30, 0xF8);
+            }
+            /* W[j] holds values 128h + 32p + 64·nib + 4j..: sub-blocks sa (j < 4) and sa + 1 */
+            const int sa = 8 * h + 2 * p + 4 * nib;
+            const __m512i sca = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * sa)),
+                                                                        _mm_loadl_epi64((const __m128i *)(blk2 + 16 + 8 * sa))));
+            const __m512i scb = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(blk + 24 + 8 * sa)),
+                                                                        _mm_loadl_epi64((const __m128i *)(blk2 + 24 + 8 * sa))));
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *xb = x + r * xs + b * QKK + 16 * sa;
+                __m512i ta = _mm512_setzero_si512(), tb = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    ta = qd_dpbusd_bcast(ta, W[j], xb + 4 * j);
+                    tb = qd_dpbusd_bcast(tb, W[4 + j], xb + 16 + 4 * j);
+                }
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(ta, sca), _mm512_mullo_epi32(tb, scb)));
+            }
+        }
+        /* offsets: int32 lane i = sc_i[2k] | sc_i[2k+1] << 16 (int16), against (bsum[2k], bsum[2k+1]) */
+        __m512i sp[8];
+        for (int k = 0; k < 8; k++) {
+            const __m128i a = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(blk + 16 + 16 * k)),
+                                                 _mm_loadl_epi64((const __m128i *)(blk2 + 16 + 16 * k)));
+            const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * k)),
+                                                 _mm_loadl_epi64((const __m128i *)(blk2 + 24 + 16 * k)));
+            sp[k] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)blk)), _mm_loadu_si128((const __m128i *)blk2), 1));
+        for (int r = 0; r < NR; r++) {
+            const int16_t *bs = K_BSUMS(x + r * xs, n) + 16 * b;
+            __m512i im = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                const uint32_t word = (uint16_t)bs[2 * k] | (uint32_t)(uint16_t)bs[2 * k + 1] << 16;
+                im = _mm512_add_epi32(im, _mm512_madd_epi16(sp[k], _mm512_set1_epi32((int)word)));
+            }
+            const __m512 dx = _mm512_set1_ps(K_D(x + r * xs, n)[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], _mm512_slli_epi32(im, 5))), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#endif
+
+#ifdef KX8_ZMM
 /* 5-16 rows: 16 or 8 in 512-bit vectors, the rest in the 256-bit tile (a function of its own,
  * so that the 1-4 row tiles compile as before) */
 static __attribute__((noinline)) void zmm_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n,
@@ -990,6 +1071,23 @@ static void zmm_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t x
 }
 #endif
 
+#ifdef KX8_ZMM
+/* Two Q6_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows. */
+static void zmm_kx8x2_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
+    while (nr > 0) {
+        const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
+        switch (t) {
+        case 16: tile_kx8x2_q6_zmm(16, w, x, xs, n, y, ldy); break;
+        case 8: tile_kx8x2_q6_zmm(8, w, x, xs, n, y, ldy); break;
+        case 4: tile_kx8x2_q6_zmm(4, w, x, xs, n, y, ldy); break;
+        case 2: tile_kx8x2_q6_zmm(2, w, x, xs, n, y, ldy); break;
+        default: tile_kx8x2_q6_zmm(1, w, x, xs, n, y, ldy); break;
+        }
+        nr -= t, x += t * xs, y += t * ldy;
+    }
+}
+#endif
+
 /* The x8 tiles of a K type (`type`: its own id; Q4_K, Q6_K): 8 weight rows × 1–4 activation
  * rows, y[r·ldy + i] for i < 8. */
 qtile_fn twq_kx8_tile(int type, int reference) {
@@ -1010,12 +1108,35 @@ qtile_fn twq_kx8_pair_tile(int type) {
 #ifdef __AVX2__
 #ifdef KX8_ZMM
     if (type == QT_Q4_K) return zmm_kx8x2_q4_k;
+    if (type == QT_Q6_K) return zmm_kx8x2_q6_k;
 #else
     if (type == QT_Q4_K) return avx2_kx8x2_q4_k;
 #endif
 #endif
     (void)type;
     return 0;
+}
+
+/* The fewest activation rows q_gemm gives a K type's two-group tile (below that, one group a
+ * tile: two weight streams read slower from memory at a few rows, Q4_K 0.5-0.7x at 1-4 rows).
+ * Q6_K's 512-bit two-group tile streams at or above the rows as stored from one row on. */
+int twq_kx8_pair_from(int type) {
+#ifdef KX8_ZMM
+    if (type == QT_Q6_K) return 1;
+#endif
+    (void)type;
+    return 8;
+}
+
+/* Whether loading should interleave a K type (1) or keep its rows as stored (0): Q6_K only
+ * where its two-group tile runs every batch (its one-group tiles stream at 0.4-0.8x the rows
+ * as stored at 1-4 rows, which is where most runs are). */
+int twq_kx8_at_load(int type) {
+#ifdef KX8_ZMM
+    return type == QT_Q4_K || type == QT_Q6_K;
+#else
+    return type == QT_Q4_K;
+#endif
 }
 
 /* The most activation rows one x8 tile call of a K type takes: 16 with the 512-bit tiles (a

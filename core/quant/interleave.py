@@ -45,20 +45,10 @@ _FIELDS = {
     "Q6_K": (210, ((208, 2),) + tuple((192 + j, 1) for j in range(16)), (0, 192)),
 }
 TYPES = frozenset(_FIELDS)
-# Layouts the kernels take but loading does not apply (eligible says no). Q6_K: its x8 tiles
-# win from 8 activation rows on (1.13-1.26x at 8-16 rows, one thread) but lose at 1-4, where
-# the rows as stored stream at the read bandwidth and the x8 tile's unpacking binds (0.38-0.81x);
-# whole native step, bf16, 2 threads, 9 paired rounds, Zen 4 (nineteenth session): Q6_K as
-# stored made batch 1 of Qwen2.5-Coder 1.5B / 0.5B Q4_K_M and SmolLM2 q4_k_m 1.51x / 1.10x /
-# 1.12x faster and batch 16 1-4% slower (x8 1.04x / 1.035x / 1.01x there). Batch 1 is what
-# most runs are, so Q6_K stays as stored.
-NOT_AT_LOAD: frozenset[str] = frozenset({"Q6_K"})
-
-
 def eligible(codec, rows: int) -> bool:
     """Whether a part of `rows` rows of `codec` can be interleaved (a type with an x8 layout,
     as stored, whole groups of 8 rows)."""
-    return codec.name in _FIELDS and codec.name not in NOT_AT_LOAD and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
+    return codec.name in _FIELDS and getattr(codec, "rows_per_group", 1) == 1 and rows > 0 and rows % GROUP == 0
 
 
 def interleaved(codec):
