@@ -680,8 +680,8 @@ static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, c
         for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
         for (int sb = 0; sb < 8; sb++) { /* sub-block sb: the low (even) or high (odd) nibbles of runs 8(sb/2).. */
-            QD_PREFETCH_PART(blk + 2 * second, KX8_B, sb, 8, _MM_HINT_T0); /* the next pair of groups' super-block */
-            QD_PREFETCH_PART(blk2 + 2 * second, KX8_B, sb, 8, _MM_HINT_T0);
+            QD_PREFETCH_PART(blk + 2 * second, KX8_B, sb, 8, _MM_HINT_T1); /* the next pair of groups' super-block */
+            QD_PREFETCH_PART(blk2 + 2 * second, KX8_B, sb, 8, _MM_HINT_T1);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sm[0] + 8 * sb)),
                                                                        _mm_loadl_epi64((const __m128i *)(sm[1] + 8 * sb))));
             __m512i W[8];
@@ -1062,11 +1062,16 @@ static void wide_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
 /* Two Q4_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows: 16 and
  * 8 in the two-group tile, the rest by the one-group tiles for each group. */
 static void zmm_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-    if (nr >= 16) { tile_kx8x2_zmm(16, w, x, xs, n, y, ldy); return; }
-    if (nr >= 8) { tile_kx8x2_zmm(8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; }
-    if (nr) {
-        wide_kx8_q4_k(nr, w, x, xs, n, y, ldy);
-        wide_kx8_q4_k(nr, w + n / QKK * KX8_B, x, xs, n, y + 8, ldy);
+    while (nr > 0) {
+        const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
+        switch (t) {
+        case 16: tile_kx8x2_zmm(16, w, x, xs, n, y, ldy); break;
+        case 8: tile_kx8x2_zmm(8, w, x, xs, n, y, ldy); break;
+        case 4: tile_kx8x2_zmm(4, w, x, xs, n, y, ldy); break;
+        case 2: tile_kx8x2_zmm(2, w, x, xs, n, y, ldy); break;
+        default: tile_kx8x2_zmm(1, w, x, xs, n, y, ldy); break;
+        }
+        nr -= t, x += t * xs, y += t * ldy;
     }
 }
 #endif
@@ -1122,7 +1127,7 @@ qtile_fn twq_kx8_pair_tile(int type) {
  * Q6_K's 512-bit two-group tile streams at or above the rows as stored from one row on. */
 int twq_kx8_pair_from(int type) {
 #ifdef KX8_ZMM
-    if (type == QT_Q6_K) return 1;
+    if (type == QT_Q6_K || type == QT_Q4_K) return 1;
 #endif
     (void)type;
     return 8;
