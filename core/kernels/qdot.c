@@ -253,11 +253,10 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int step, int type, const void
     if (!fn || wb < 0 || out <= 0 || rows <= 0) return;
     const uint8_t *W = w, *X = xq;
     if (is_x8(type)) { /* a tile computes a group of 8 weight rows (out is whole groups), or two */
-        /* Two groups per tile share each activation broadcast (1.1-1.2x at 16 rows), but at a
-         * few rows, where the weights stream from memory, two interleaved streams read slower
-         * (0.5-0.7x at 1-4 rows of 8960x1536, Zen 4): pairs from 8 rows on (Q6_K's 512-bit
-         * tile from 1: twq_kx8_pair_from). Either tile gives a row the same bits. */
-        if (rows < (is_kquant(base_type(type)) ? twq_kx8_pair_from(base_type(type)) : 8)) pair = 0;
+        /* A tile of two groups where the build has one, from as many rows as its type declares
+         * (twq_x8_pair_from, twq_kx8_pair_from: where it reads at least as fast as one group a
+         * tile). Either tile gives a row the same bits. */
+        if (rows < (is_kquant(base_type(type)) ? twq_kx8_pair_from(base_type(type)) : twq_x8_pair_from(base_type(type)))) pair = 0;
         const int64_t groups = out / 8, units = pair ? (groups + 1) / 2 : groups;
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; u++) {

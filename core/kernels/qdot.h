@@ -187,6 +187,7 @@ int twq_legacy_dequantize(int type, const uint8_t *w, int64_t n, float *out);
  * rows, y[r·ldy + i] for i < 8; row i of a group → float32 (the type's dequantized values). */
 qtile_fn twq_x8_tile(int type, int reference);
 qtile_fn twq_x8_pair_tile(int type); /* two groups (16 weight rows) a call, or NULL */
+int twq_x8_pair_from(int type);      /* the fewest activation rows given to it */
 int twq_x8_dequantize_row(int type, const uint8_t *group, int i, int64_t n, float *out);
 int twq_x8_tile_rows(int type); /* the most activation rows an x8 tile of this 32-value type takes: 4 or 8 */
 int twq_x8_interleave_group(int type, const uint8_t *in, int64_t n, uint8_t *out);

@@ -630,9 +630,9 @@ static inline __attribute__((always_inline)) void tile_x8x2_zmm(const int T, con
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * B, *blk2 = blk + second;
-        for (int l = 0; l < B; l += 64) { /* the next pair of groups, block by block */
-            _mm_prefetch((const char *)blk + 2 * second + l, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk2 + 2 * second + l, _MM_HINT_T0);
+        for (int l = 0; l < B; l += 64) { /* the next pair of groups, block by block, into L2 (kquants' Q6_K) */
+            _mm_prefetch((const char *)blk + 2 * second + l, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk2 + 2 * second + l, _MM_HINT_T1);
         }
         __m512i W[8]; /* the weights meeting activation bytes 4c..4c+3 of the block (4-bit: run c's
                        * low nibbles are values 4c.., its high ones 16 + 4c..) */
@@ -802,26 +802,40 @@ AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
 #endif
 
 #ifdef X8_ZMM
-/* Two groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows: 16 (and from
- * EIGHT rows, 8) in the two-group tile, the rest by the one-group tile for each group. Q8_0's
- * 8-row two-group tile streams its 34-byte blocks slower than the one-group tile (0.81-0.86x
- * at 8 rows, kernel_bench --x8): there it starts at 16. */
-#define ZMM_X8X2_TILE(T, NAME, ONE, EIGHT)                                                            \
+/* Two groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows, 16, 8, 4, 2
+ * or 1 a tile. */
+#define ZMM_X8X2_TILE(T, NAME)                                                                        \
     static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
                      int64_t ldy) {                                                                  \
-        if (nr >= 16) { tile_x8x2_zmm(T, 16, w, x, xs, n, y, ldy); return; }                         \
-        if (EIGHT && nr >= 8) { tile_x8x2_zmm(T, 8, w, x, xs, n, y, ldy); nr -= 8, x += 8 * xs, y += 8 * ldy; } \
-        if (nr) {                                                                                    \
-            ONE(nr, w, x, xs, n, y, ldy);                                                            \
-            ONE(nr, w + n / QK * 8 * legacy_size(T), x, xs, n, y + 8, ldy);                           \
+        while (nr > 0) {                                                                             \
+            const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;                \
+            switch (t) {                                                                             \
+            case 16: tile_x8x2_zmm(T, 16, w, x, xs, n, y, ldy); break;                                \
+            case 8: tile_x8x2_zmm(T, 8, w, x, xs, n, y, ldy); break;                                  \
+            case 4: tile_x8x2_zmm(T, 4, w, x, xs, n, y, ldy); break;                                  \
+            case 2: tile_x8x2_zmm(T, 2, w, x, xs, n, y, ldy); break;                                  \
+            default: tile_x8x2_zmm(T, 1, w, x, xs, n, y, ldy); break;                                 \
+            }                                                                                        \
+            nr -= t, x += t * xs, y += t * ldy;                                                      \
         }                                                                                            \
     }
-ZMM_X8X2_TILE(QT_Q4_0, zmm_x8x2_q4_0, avx2_x8_q4_0, 1)
-ZMM_X8X2_TILE(QT_Q4_1, zmm_x8x2_q4_1, avx2_x8_q4_1, 1)
-ZMM_X8X2_TILE(QT_Q5_0, zmm_x8x2_q5_0, avx2_x8_q5_0, 1)
-ZMM_X8X2_TILE(QT_Q5_1, zmm_x8x2_q5_1, avx2_x8_q5_1, 1)
-ZMM_X8X2_TILE(QT_Q8_0, zmm_x8x2_q8_0, avx2_x8_q8_0, 0)
+ZMM_X8X2_TILE(QT_Q4_0, zmm_x8x2_q4_0)
+ZMM_X8X2_TILE(QT_Q4_1, zmm_x8x2_q4_1)
+ZMM_X8X2_TILE(QT_Q5_0, zmm_x8x2_q5_0)
+ZMM_X8X2_TILE(QT_Q5_1, zmm_x8x2_q5_1)
+ZMM_X8X2_TILE(QT_Q8_0, zmm_x8x2_q8_0)
 #endif
+
+/* The fewest activation rows q_gemm gives the two-group tile: 2 with the 512-bit tile (at one
+ * row the one-group tile streams as fast: 0.90-1.07x there, 1.1-1.7x at 2-4 rows), else none. */
+int twq_x8_pair_from(int type) {
+    (void)type;
+#ifdef X8_ZMM
+    return 2;
+#else
+    return 1 << 30;
+#endif
+}
 
 /* A tile of two consecutive groups (16 weight rows) where this build has one, else NULL
  * (q_gemm then runs the one-group tile per group). */
