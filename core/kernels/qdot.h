@@ -59,6 +59,21 @@ typedef void (*qtile_fn)(int nr, const uint8_t *w, const uint8_t *x, int64_t xs,
          l_ < ((part) + 1) * (((bytes) + 64 * (parts) - 1) / (64 * (parts)) * 64) && l_ < (bytes); l_ += 64) \
         _mm_prefetch((const char *)(p) + l_, hint)
 
+/* A two-group tile's dispatch: nr activation rows (of x, y, with xs, ldy in scope) in calls of
+ * 16, 8, 4, 2 or 1 rows, CALL(NR) one call with NR a compile-time constant. */
+#define QD_BY_POWERS(CALL)                                                                            \
+    while (nr > 0) {                                                                                 \
+        const int t_ = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;                   \
+        switch (t_) {                                                                                \
+        case 16: CALL(16); break;                                                                    \
+        case 8: CALL(8); break;                                                                      \
+        case 4: CALL(4); break;                                                                      \
+        case 2: CALL(2); break;                                                                      \
+        default: CALL(1); break;                                                                     \
+        }                                                                                            \
+        nr -= t_, x += t_ * xs, y += t_ * ldy;                                                       \
+    }
+
 /* Keeps the compiler from fusing a product into the following add (dequantize must round
  * the product first, as the reference does). */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))

@@ -1059,37 +1059,15 @@ static void wide_kx8_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs
 #endif
 
 #ifdef KX8_ZMM
-/* Two Q4_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows: 16 and
- * 8 in the two-group tile, the rest by the one-group tiles for each group. */
+/* Two Q4_K or Q6_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows. */
+#define KX8X2_Q4_K(NR) tile_kx8x2_zmm(NR, w, x, xs, n, y, ldy)
+#define KX8X2_Q6_K(NR) tile_kx8x2_q6_zmm(NR, w, x, xs, n, y, ldy)
 static void zmm_kx8x2_q4_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-    while (nr > 0) {
-        const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
-        switch (t) {
-        case 16: tile_kx8x2_zmm(16, w, x, xs, n, y, ldy); break;
-        case 8: tile_kx8x2_zmm(8, w, x, xs, n, y, ldy); break;
-        case 4: tile_kx8x2_zmm(4, w, x, xs, n, y, ldy); break;
-        case 2: tile_kx8x2_zmm(2, w, x, xs, n, y, ldy); break;
-        default: tile_kx8x2_zmm(1, w, x, xs, n, y, ldy); break;
-        }
-        nr -= t, x += t * xs, y += t * ldy;
-    }
+    QD_BY_POWERS(KX8X2_Q4_K)
 }
-#endif
 
-#ifdef KX8_ZMM
-/* Two Q6_K groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows. */
 static void zmm_kx8x2_q6_k(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y, int64_t ldy) {
-    while (nr > 0) {
-        const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
-        switch (t) {
-        case 16: tile_kx8x2_q6_zmm(16, w, x, xs, n, y, ldy); break;
-        case 8: tile_kx8x2_q6_zmm(8, w, x, xs, n, y, ldy); break;
-        case 4: tile_kx8x2_q6_zmm(4, w, x, xs, n, y, ldy); break;
-        case 2: tile_kx8x2_q6_zmm(2, w, x, xs, n, y, ldy); break;
-        default: tile_kx8x2_q6_zmm(1, w, x, xs, n, y, ldy); break;
-        }
-        nr -= t, x += t * xs, y += t * ldy;
-    }
+    QD_BY_POWERS(KX8X2_Q6_K)
 }
 #endif
 

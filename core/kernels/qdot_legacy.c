@@ -804,20 +804,12 @@ AVX2_X8_TILE(QT_Q8_0, avx2_x8_q8_0)
 #ifdef X8_ZMM
 /* Two groups (16 weight rows, y[r·ldy + i] for i < 16) × 1-16 activation rows, 16, 8, 4, 2
  * or 1 a tile. */
+#define X8X2_CALL(NR) tile_x8x2_zmm(T_, NR, w, x, xs, n, y, ldy)
 #define ZMM_X8X2_TILE(T, NAME)                                                                        \
     static void NAME(int nr, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t n, float *y,     \
                      int64_t ldy) {                                                                  \
-        while (nr > 0) {                                                                             \
-            const int t = nr >= 16 ? 16 : nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;                \
-            switch (t) {                                                                             \
-            case 16: tile_x8x2_zmm(T, 16, w, x, xs, n, y, ldy); break;                                \
-            case 8: tile_x8x2_zmm(T, 8, w, x, xs, n, y, ldy); break;                                  \
-            case 4: tile_x8x2_zmm(T, 4, w, x, xs, n, y, ldy); break;                                  \
-            case 2: tile_x8x2_zmm(T, 2, w, x, xs, n, y, ldy); break;                                  \
-            default: tile_x8x2_zmm(T, 1, w, x, xs, n, y, ldy); break;                                 \
-            }                                                                                        \
-            nr -= t, x += t * xs, y += t * ldy;                                                      \
-        }                                                                                            \
+        const int T_ = (T);                                                                          \
+        QD_BY_POWERS(X8X2_CALL)                                                                      \
     }
 ZMM_X8X2_TILE(QT_Q4_0, zmm_x8x2_q4_0)
 ZMM_X8X2_TILE(QT_Q4_1, zmm_x8x2_q4_1)
