@@ -664,7 +664,7 @@ static inline __attribute__((always_inline)) void tile_kx8_zmm(const int NR, con
  * activation's 4 bytes meet all 16 lanes as dpbusd's broadcast memory operand (no broadcast
  * of its own, no lane sums): per activation row and sub-block one chain of 8 dpbusds and one
  * multiply by the 16 rows' scales. A sub-block's weights are unpacked once for all NR rows
- * (16 or 8). The integers and float steps of tile_kx8 and the reference: the same bits. */
+ * (1, 2, 4, 8 or 16). The integers and float steps of tile_kx8 and the reference: the same bits. */
 static inline __attribute__((always_inline)) void tile_kx8x2_zmm(const int NR, const uint8_t *w, const uint8_t *x,
                                                                  int64_t xs, int64_t n, float *y, int64_t ldy) {
     const int64_t nb = n / QKK, second = nb * KX8_B;

@@ -618,7 +618,7 @@ static inline __attribute__((always_inline)) void tile_x8_zmm(const int T, const
  * activation's 4 bytes meet all 16 lanes as dpbusd's broadcast memory operand (no broadcast
  * of its own, no lane sums after it): per activation row and block one chain of dpbusds, one
  * conversion and one fused multiply-add for 16 weight rows. The weights are unpacked once per
- * block for all NR activation rows (16 or 8). The integers and float steps of tile_x8 and
+ * block for all NR activation rows (1, 2, 4, 8 or 16). The integers and float steps of tile_x8 and
  * the reference: the same bits. */
 static inline __attribute__((always_inline)) void tile_x8x2_zmm(const int T, const int NR, const uint8_t *w,
                                                                 const uint8_t *x, int64_t xs, int64_t n, float *y,
