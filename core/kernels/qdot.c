@@ -234,10 +234,15 @@ static qtile_fn tile_for(int type, int reference) {
     return 0;
 }
 
-/* The two-group tile of an x8 type where the build has one (NULL: one group per tile). */
-static qtile_fn pair_tile_for(int type) {
+/* The two-group tile of an x8 type for `rows` activation rows where the build has one and
+ * the type declares it from that many rows on (twq_x8_pair_from, twq_kx8_pair_from: where it
+ * reads at least as fast as one group a tile); NULL: one group per tile. Either tile gives a
+ * row the same bits. */
+static qtile_fn pair_tile_for(int type, int64_t rows) {
     if (!is_x8(type)) return 0;
-    return is_kquant(base_type(type)) ? twq_kx8_pair_tile(base_type(type)) : twq_x8_pair_tile(base_type(type));
+    const int t = base_type(type), k = is_kquant(t);
+    if (rows < (k ? twq_kx8_pair_from(t) : twq_x8_pair_from(t))) return 0;
+    return k ? twq_kx8_pair_tile(t) : twq_x8_pair_tile(t);
 }
 
 /* The most activation rows one SIMD tile call of this type takes (x8 types: 4, 8 or 16, else 4). */
@@ -253,10 +258,6 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int step, int type, const void
     if (!fn || wb < 0 || out <= 0 || rows <= 0) return;
     const uint8_t *W = w, *X = xq;
     if (is_x8(type)) { /* a tile computes a group of 8 weight rows (out is whole groups), or two */
-        /* A tile of two groups where the build has one, from as many rows as its type declares
-         * (twq_x8_pair_from, twq_kx8_pair_from: where it reads at least as fast as one group a
-         * tile). Either tile gives a row the same bits. */
-        if (rows < (is_kquant(base_type(type)) ? twq_kx8_pair_from(base_type(type)) : twq_x8_pair_from(base_type(type)))) pair = 0;
         const int64_t groups = out / 8, units = pair ? (groups + 1) / 2 : groups;
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; u++) {
@@ -275,7 +276,7 @@ static void gemm_with(qtile_fn fn, qtile_fn pair, int step, int type, const void
 
 void q_gemm(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y, int64_t ldy,
             int threads) {
-    gemm_with(tile_for(type, 0), pair_tile_for(type), tile_rows_for(type), type, w, out, n, xq, rows, y, ldy, threads);
+    gemm_with(tile_for(type, 0), pair_tile_for(type, rows), tile_rows_for(type), type, w, out, n, xq, rows, y, ldy, threads);
 }
 
 void q_gemm_reference(int type, const void *w, int64_t out, int64_t n, const void *xq, int64_t rows, float *y,

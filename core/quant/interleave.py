@@ -45,6 +45,8 @@ _FIELDS = {
     "Q6_K": (210, ((208, 2),) + tuple((192 + j, 1) for j in range(16)), (0, 192)),
 }
 TYPES = frozenset(_FIELDS)
+
+
 def eligible(codec, rows: int) -> bool:
     """Whether a part of `rows` rows of `codec` can be interleaved (a type with an x8 layout,
     as stored, whole groups of 8 rows)."""
